@@ -1,0 +1,531 @@
+"""Model and KV cache configuration: frozen, validated dataclasses.
+
+Both classes validate every field in ``__post_init__`` and raise :class:`ValueError`
+naming the offending field, so a bad value is caught where it is written, not deep
+inside the native core. They carry no native state and import nothing native.
+
+Example:
+    >>> from kvcache.config import KvCacheConfig, ModelConfig
+    >>> model = ModelConfig(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    >>> model.dtype_bytes
+    2
+    >>> config = KvCacheConfig(tokens_per_block=16, max_attention_window=[1024, None])
+    >>> config.attention_window_per_layer(model.num_layers, max_seq_len=8192)
+    [1024, 8192, 1024, 8192]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+__all__ = [
+    "BACKENDS",
+    "DTYPE_BYTES",
+    "SHARE_POLICIES",
+    "SWA_REUSE_POLICIES",
+    "KvCacheConfig",
+    "ModelConfig",
+]
+
+#: Bytes per element of each supported KV cache dtype.
+DTYPE_BYTES: Mapping[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+
+#: Memory backends accepted by ``KvCacheConfig.backend``.
+BACKENDS: tuple[str, ...] = ("auto", "cuda", "host", "virtual")
+
+#: Reuse policies for sliding-window blocks accepted by ``KvCacheConfig.swa_reuse_policy``.
+SWA_REUSE_POLICIES: tuple[str, ...] = ("invalidate", "placeholder")
+
+#: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
+SHARE_POLICIES: tuple[str, ...] = ("equal", "proportional", "auto")
+
+_MIN_PRIORITY = 0
+_MAX_PRIORITY = 100
+
+
+# --------------------------------------------------------------------------------------
+# Field checks. Each raises ValueError naming ``name``; bools are never accepted as ints.
+# --------------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _optional_positive_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _priority(name: str, value: object) -> int:
+    if not _is_int(value) or not _MIN_PRIORITY <= value <= _MAX_PRIORITY:
+        raise ValueError(
+            f"{name} must be an int in {_MIN_PRIORITY}..{_MAX_PRIORITY}, got {value!r}"
+        )
+    return int(value)
+
+
+def _choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def _sequence(name: str, value: object) -> Sequence[object]:
+    """Lists, tuples and 1-D numpy arrays; never strings or mappings."""
+    if isinstance(value, (str, bytes, Mapping)):
+        raise ValueError(f"{name} must be a sequence, got {value!r}")
+    if isinstance(value, Sequence):
+        return value
+    if hasattr(value, "__iter__"):
+        return list(value)
+    raise ValueError(f"{name} must be a sequence, got {value!r}")
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _unknown_keys(cls_name: str, d: Mapping[str, Any], known: Sequence[str]) -> None:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{cls_name}.from_dict expects a mapping, got {type(d).__name__}")
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise ValueError(
+            f"unknown {cls_name} field(s): {', '.join(unknown)} (known fields: {', '.join(known)})"
+        )
+
+
+def _to_plain(value: object) -> object:
+    """Tuples become lists so that ``to_dict`` output is JSON/TOML/YAML friendly."""
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------------------
+# ModelConfig
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The attention shape of a model, as far as the KV cache is concerned.
+
+    Args:
+        num_layers: Number of attention layers whose KV is cached (> 0).
+        num_kv_heads: KV heads per layer: one int for every layer, or one entry per layer
+            (stored as a tuple).
+        head_dim: Size of one attention head (> 0).
+        dtype: KV cache element type: ``float32``, ``float16``, ``bfloat16``, ``fp8`` or
+            ``int8``.
+        kv_factor: 2 when keys and values are both cached, 1 for K-only caches (MLA).
+
+    Raises:
+        ValueError: A field has the wrong type or is out of range; the message names it.
+
+    Example:
+        >>> m = ModelConfig(num_layers=3, num_kv_heads=[8, 8, 4], head_dim=64, dtype="fp8")
+        >>> m.kv_heads_per_layer()
+        [8, 8, 4]
+        >>> m.bytes_per_token_per_layer()   # heads * kv_factor * head_dim * dtype_bytes
+        [1024, 1024, 512]
+    """
+
+    num_layers: int
+    num_kv_heads: int | Sequence[int]
+    head_dim: int
+    dtype: str = "float16"
+    kv_factor: int = 2
+
+    def __post_init__(self) -> None:
+        num_layers = _positive_int("num_layers", self.num_layers)
+        _positive_int("head_dim", self.head_dim)
+        _choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        if not _is_int(self.kv_factor) or self.kv_factor not in (1, 2):
+            raise ValueError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}")
+        heads = self.num_kv_heads
+        if _is_int(heads):
+            _positive_int("num_kv_heads", heads)
+        else:
+            items = _sequence("num_kv_heads", heads)
+            if len(items) != num_layers:
+                raise ValueError(
+                    f"num_kv_heads must be an int or a sequence of num_layers={num_layers} "
+                    f"ints, got {len(items)} entries"
+                )
+            checked = tuple(
+                _positive_int(f"num_kv_heads[{i}]", _as_int(h)) for i, h in enumerate(items)
+            )
+            object.__setattr__(self, "num_kv_heads", checked)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of :attr:`dtype` (``float16`` -> 2, ``fp8`` -> 1)."""
+        return DTYPE_BYTES[self.dtype]
+
+    def kv_heads_per_layer(self) -> list[int]:
+        """KV head count of every layer, expanded from an int if needed.
+
+        Example:
+            >>> ModelConfig(num_layers=2, num_kv_heads=4, head_dim=8).kv_heads_per_layer()
+            [4, 4]
+        """
+        if isinstance(self.num_kv_heads, int):
+            return [self.num_kv_heads] * self.num_layers
+        return list(self.num_kv_heads)
+
+    def bytes_per_token_per_layer(self) -> list[int]:
+        """KV bytes one token occupies in each layer: ``heads * kv_factor * head_dim * bytes``.
+
+        Example:
+            >>> ModelConfig(num_layers=1, num_kv_heads=8, head_dim=128).bytes_per_token_per_layer()
+            [4096]
+        """
+        unit = self.kv_factor * self.head_dim * self.dtype_bytes
+        return [heads * unit for heads in self.kv_heads_per_layer()]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Builds a config from a mapping of field names; unknown keys raise ``ValueError``.
+
+        Example:
+            >>> ModelConfig.from_dict({"num_layers": 2, "num_kv_heads": 1, "head_dim": 64})
+            ModelConfig(num_layers=2, num_kv_heads=1, head_dim=64, dtype='float16', kv_factor=2)
+        """
+        _unknown_keys(cls.__name__, d, _field_names(cls))
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
+        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _as_int(value: object) -> object:
+    """numpy integers become ints; anything else is returned unchanged for the check."""
+    if not isinstance(value, (int, bool)) and hasattr(value, "__index__"):
+        return int(value.__index__())
+    return value
+
+
+# --------------------------------------------------------------------------------------
+# KvCacheConfig
+# --------------------------------------------------------------------------------------
+
+
+def _check_window_pattern(value: object) -> tuple[int | None, ...] | None:
+    if value is None:
+        return None
+    items = _sequence("max_attention_window", value)
+    if len(items) == 0:
+        raise ValueError("max_attention_window must be None or a non-empty sequence")
+    out: list[int | None] = []
+    for i, w in enumerate(items):
+        w = None if w == "full" else _as_int(w)
+        if w is not None and (not _is_int(w) or w <= 0):
+            raise ValueError(f"max_attention_window[{i}] must be a positive int or None, got {w!r}")
+        out.append(None if w is None else int(w))
+    return tuple(out)
+
+
+def _parse_share_text(name: str, text: str) -> str | tuple[float, ...]:
+    """A policy name, or comma-separated numbers (validated like a sequence)."""
+    stripped = text.strip()
+    if stripped in SHARE_POLICIES:
+        return stripped
+    parts = [p.strip() for p in stripped.split(",")]
+    values: list[float] = []
+    for i, p in enumerate(parts):
+        try:
+            values.append(float(p))
+        except ValueError:
+            raise ValueError(
+                f"{name} must be one of {', '.join(map(repr, SHARE_POLICIES))} or "
+                f"comma-separated numbers; entry {i} is {p!r}"
+            ) from None
+    return _check_share_values(name, values)
+
+
+def _check_share_values(name: str, values: Sequence[object]) -> tuple[float, ...]:
+    out: list[float] = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if hasattr(v, "__float__") and not isinstance(v, (str, bytes)):
+                v = float(v)  # numpy floats
+            else:
+                raise ValueError(f"{name}[{i}] must be a number, got {v!r}")
+        f = float(v)
+        if math.isnan(f):
+            raise ValueError(f"{name}[{i}] is NaN; shares must be finite numbers >= 0")
+        if math.isinf(f):
+            raise ValueError(f"{name}[{i}] is infinite; shares must be finite numbers >= 0")
+        if f < 0:
+            raise ValueError(f"{name}[{i}] is negative ({f}); shares must be >= 0")
+        out.append(f)
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    if sum(out) <= 0:
+        raise ValueError(f"{name} must have a positive sum, got all zeros")
+    return tuple(out)
+
+
+def _check_shares(value: object) -> str | tuple[float, ...] | None:
+    name = "window_size_shares"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _parse_share_text(name, value)
+    return _check_share_values(name, _sequence(name, value))
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """How the KV cache is sized and behaves. See API.md "Configuration".
+
+    Args:
+        tokens_per_block: Token positions per block (> 0).
+        max_attention_window: Window per layer as a pattern that repeats over the layers;
+            ``None`` (or ``"full"``) entries, or a ``None`` list, mean full attention. Stored
+            as a tuple with ``None`` for full attention.
+        max_tokens: Caps the primary pool of a single-window model, in tokens; ignored
+            (with a warning) when the model has several windows.
+        free_gpu_memory_fraction: Fraction of free memory to use, in (0, 1].
+        max_gpu_total_bytes: Primary budget in bytes; ``None`` (or 0, stored as ``None``)
+            means "use the free memory fraction".
+        host_cache_size: Bytes of host memory for secondary (offloaded) blocks.
+        enable_block_reuse: Reuse cached prompt prefixes across requests.
+        enable_partial_reuse: Allow reusing a partially matching block.
+        copy_on_partial_reuse: Copy a partially matched block instead of taking it over.
+        onboard_blocks: Offload evicted reusable blocks to host and onboard them on reuse.
+        secondary_offload_min_priority: Blocks below this priority (0..100) are not offloaded.
+        window_size_shares: Memory share per window: ``"equal"``, ``"proportional"``,
+            ``"auto"``, one number per window in ascending window order, or the same as
+            comma-separated text. ``None`` defers to the environment (see
+            :func:`kvcache.sizing.window_size_shares`). Number lists are stored as tuples.
+        event_buffer_max_size: Events kept for ``get_latest_events`` (0 disables events).
+        swa_reuse_policy: ``"invalidate"`` or ``"placeholder"``.
+        backend: ``"auto"``, ``"cuda"``, ``"host"`` or ``"virtual"``.
+
+    Raises:
+        ValueError: A field has the wrong type or is out of range; the message names it.
+
+    Example:
+        >>> c = KvCacheConfig.from_dict({"tokens_per_block": 64, "window_size_shares": "1,3"})
+        >>> c.window_size_shares
+        (1.0, 3.0)
+        >>> c.to_dict()["window_size_shares"]
+        [1.0, 3.0]
+    """
+
+    tokens_per_block: int = 32
+    max_attention_window: Sequence[int | None] | None = None
+    max_tokens: int | None = None
+    free_gpu_memory_fraction: float = 0.9
+    max_gpu_total_bytes: int | None = None
+    host_cache_size: int = 0
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+    onboard_blocks: bool = True
+    secondary_offload_min_priority: int = 30
+    window_size_shares: str | Sequence[float] | None = None
+    event_buffer_max_size: int = 0
+    swa_reuse_policy: str = "invalidate"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive_int("tokens_per_block", self.tokens_per_block)
+        object.__setattr__(
+            self, "max_attention_window", _check_window_pattern(self.max_attention_window)
+        )
+        _optional_positive_int("max_tokens", self.max_tokens)
+        frac = self.free_gpu_memory_fraction
+        if (
+            isinstance(frac, bool)
+            or not isinstance(frac, (int, float))
+            or not math.isfinite(frac)
+            or not 0 < frac <= 1
+        ):
+            raise ValueError(f"free_gpu_memory_fraction must be a number in (0, 1], got {frac!r}")
+        object.__setattr__(self, "free_gpu_memory_fraction", float(frac))
+        total = self.max_gpu_total_bytes
+        if total is not None:
+            _non_negative_int("max_gpu_total_bytes", total)
+            if total == 0:
+                object.__setattr__(self, "max_gpu_total_bytes", None)
+        _non_negative_int("host_cache_size", self.host_cache_size)
+        for name in (
+            "enable_block_reuse",
+            "enable_partial_reuse",
+            "copy_on_partial_reuse",
+            "onboard_blocks",
+        ):
+            _bool(name, getattr(self, name))
+        _priority("secondary_offload_min_priority", self.secondary_offload_min_priority)
+        object.__setattr__(self, "window_size_shares", _check_shares(self.window_size_shares))
+        _non_negative_int("event_buffer_max_size", self.event_buffer_max_size)
+        _choice("swa_reuse_policy", self.swa_reuse_policy, SWA_REUSE_POLICIES)
+        _choice("backend", self.backend, BACKENDS)
+
+    def attention_window_per_layer(self, num_layers: int, max_seq_len: int) -> list[int]:
+        """The attention window of every layer, with full attention as ``max_seq_len``.
+
+        The ``max_attention_window`` pattern repeats over the layers; entries that are
+        ``None`` or ``>= max_seq_len`` become ``max_seq_len``. No pattern means every layer
+        is full attention.
+
+        Args:
+            num_layers: Number of layers to expand over (> 0).
+            max_seq_len: Longest sequence the cache must hold (> 0).
+
+        Returns:
+            One window per layer.
+
+        Raises:
+            ValueError: Non-positive arguments, or a pattern longer than ``num_layers``.
+
+        Example:
+            >>> KvCacheConfig(max_attention_window=[512, 512, None]).attention_window_per_layer(
+            ...     5, max_seq_len=4096)
+            [512, 512, 4096, 512, 512]
+            >>> KvCacheConfig(max_attention_window=[8192]).attention_window_per_layer(2, 4096)
+            [4096, 4096]
+        """
+        _positive_int("num_layers", num_layers)
+        _positive_int("max_seq_len", max_seq_len)
+        pattern = self.max_attention_window
+        if pattern is None:
+            return [max_seq_len] * num_layers
+        if len(pattern) > num_layers:
+            raise ValueError(
+                f"max_attention_window has {len(pattern)} entries, more than the model's "
+                f"{num_layers} layers"
+            )
+        out = []
+        for layer in range(num_layers):
+            w = pattern[layer % len(pattern)]
+            out.append(max_seq_len if w is None or w >= max_seq_len else w)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KvCacheConfig:
+        """Builds a config from a mapping of field names; unknown keys raise ``ValueError``.
+
+        Example:
+            >>> KvCacheConfig.from_dict({"backend": "virtual"}).backend
+            'virtual'
+        """
+        _unknown_keys(cls.__name__, d, _field_names(cls))
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
+        return {name: _to_plain(getattr(self, name)) for name in _field_names(type(self))}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> KvCacheConfig:
+        """Reads a config from a JSON, TOML or YAML file (chosen by the file suffix).
+
+        The file holds one table/object of ``KvCacheConfig`` fields. YAML needs the
+        ``pyyaml`` package. Errors (unreadable file, bad syntax, unknown field, bad value)
+        raise ``ValueError`` naming the file.
+
+        TOML has no null, so a full-attention entry of ``max_attention_window`` may be
+        written as the string ``"full"`` in any format.
+
+        Example:
+            A file ``kv.toml`` holding::
+
+                tokens_per_block = 64
+                max_attention_window = [1024, 1024, 1024, 1024, 1024, "full"]
+                window_size_shares = "auto"
+
+            loads as ``KvCacheConfig(tokens_per_block=64, max_attention_window=(1024, 1024,
+            1024, 1024, 1024, None), window_size_shares='auto')``.
+        """
+        p = Path(path)
+        suffix = p.suffix.lower()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read KV cache config file {str(p)!r}: {e}") from None
+        data: object
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            elif suffix == ".toml":
+                data = _load_toml(text)
+            elif suffix in (".yaml", ".yml"):
+                data = _load_yaml(text)
+            else:
+                raise ValueError(
+                    f"unsupported config file type {suffix or '(none)'!r}; "
+                    "use .json, .toml, .yaml or .yml"
+                )
+        except ValueError as e:
+            raise ValueError(f"{str(p)!r}: {e}") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{str(p)!r}: expected a table of KvCacheConfig fields at top level")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{str(p)!r}: {e}") from None
+
+
+def _load_toml(text: str) -> object:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef,import-not-found,unused-ignore]
+        except ModuleNotFoundError:
+            raise ValueError("reading TOML needs Python >= 3.11 or the tomli package") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"invalid TOML: {e}") from None
+
+
+def _load_yaml(text: str) -> object:
+    try:
+        import yaml  # type: ignore[import-untyped,unused-ignore]
+    except ModuleNotFoundError:
+        raise ValueError("reading YAML needs the pyyaml package (pip install pyyaml)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"invalid YAML: {e}") from None
