@@ -263,43 +263,41 @@ def _check_window_pattern(value: object) -> tuple[int | None, ...] | None:
 
 
 def _parse_share_text(name: str, text: str) -> str | tuple[float, ...]:
-    """A policy name, or comma-separated numbers (validated like a sequence)."""
+    """A policy name, or comma-separated numbers validated like a sequence.
+
+    ``name`` is the source shown in error messages (a field or an environment variable).
+    """
     stripped = text.strip()
     if stripped in SHARE_POLICIES:
         return stripped
-    parts = [p.strip() for p in stripped.split(",")]
     values: list[float] = []
-    for i, p in enumerate(parts):
+    for i, part in enumerate(stripped.split(",")):
         try:
-            values.append(float(p))
+            values.append(float(part.strip()))
         except ValueError:
             raise ValueError(
-                f"{name} must be one of {', '.join(map(repr, SHARE_POLICIES))} or "
-                f"comma-separated numbers; entry {i} is {p!r}"
+                f"{name}: expected one of {', '.join(map(repr, SHARE_POLICIES))} or "
+                f"comma-separated numbers, but entry {i} is {part.strip()!r}"
             ) from None
     return _check_share_values(name, values)
 
 
 def _check_share_values(name: str, values: Sequence[object]) -> tuple[float, ...]:
+    """Shares must be finite numbers >= 0 with a positive sum; ``name`` is the source."""
     out: list[float] = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            if hasattr(v, "__float__") and not isinstance(v, (str, bytes)):
-                v = float(v)  # numpy floats
-            else:
-                raise ValueError(f"{name}[{i}] must be a number, got {v!r}")
+        if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
+            raise ValueError(f"{name}: entry {i} must be a number, got {v!r}")
         f = float(v)
-        if math.isnan(f):
-            raise ValueError(f"{name}[{i}] is NaN; shares must be finite numbers >= 0")
-        if math.isinf(f):
-            raise ValueError(f"{name}[{i}] is infinite; shares must be finite numbers >= 0")
+        if not math.isfinite(f):
+            raise ValueError(f"{name}: entry {i} is {f}; shares must be finite numbers >= 0")
         if f < 0:
-            raise ValueError(f"{name}[{i}] is negative ({f}); shares must be >= 0")
+            raise ValueError(f"{name}: entry {i} is negative ({f}); shares must be >= 0")
         out.append(f)
     if not out:
-        raise ValueError(f"{name} must not be empty")
+        raise ValueError(f"{name}: no shares given")
     if sum(out) <= 0:
-        raise ValueError(f"{name} must have a positive sum, got all zeros")
+        raise ValueError(f"{name}: shares are all zero; their sum must be positive")
     return tuple(out)
 
 

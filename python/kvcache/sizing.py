@@ -1,0 +1,545 @@
+"""Memory per attention window: pure functions from a model, a config and a byte budget.
+
+Everything here is plain arithmetic with no native calls, so it can be used for planning
+without a GPU. Block counts are computed with exact rational arithmetic (no float
+rounding surprises); the shares returned to callers are floats that sum to 1.0.
+
+Example: a Gemma-3-27B-shaped model (62 layers, 16 KV heads of 128, bfloat16; five
+1024-token sliding-window layers for every full-attention layer) at 32,768 tokens::
+
+    >>> from kvcache.config import KvCacheConfig, ModelConfig
+    >>> model = ModelConfig(num_layers=62, num_kv_heads=16, head_dim=128, dtype="bfloat16")
+    >>> config = KvCacheConfig(max_attention_window=[1024] * 5 + [None])
+    >>> window_sizes(model, config, 32768)
+    [1024, 32768]
+    >>> bytes_per_token(model, config, 32768)     # 52 and 10 layers of 8192 B
+    {1024: 425984, 32768: 81920}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import os
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+
+from kvcache.config import (
+    SHARE_POLICIES,
+    KvCacheConfig,
+    ModelConfig,
+    _check_share_values,
+    _parse_share_text,
+)
+
+__all__ = [
+    "SHARES_ENV_VAR",
+    "TRTLLM_SHARES_ENV_VAR",
+    "blocks_per_window",
+    "bytes_per_token",
+    "format_size",
+    "max_blocks_per_sequence",
+    "parse_size",
+    "resolve_share_policy",
+    "window_size_shares",
+    "window_sizes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable with the window shares, read when the config does not set them.
+SHARES_ENV_VAR = "KVCACHE_WINDOW_SIZE_SHARES"
+#: TensorRT-LLM's spelling, accepted for compatibility after :data:`SHARES_ENV_VAR`.
+TRTLLM_SHARES_ENV_VAR = "TRTLLM_WINDOW_SIZE_SHARES"
+
+_CONFIG_SOURCE = "KvCacheConfig.window_size_shares"
+
+# (max_tokens, windows) pairs already warned about, so each warning is logged once.
+_max_tokens_warned: set[tuple[int, tuple[int, ...]]] = set()
+
+SharePolicy = str | tuple[float, ...]
+
+
+def _positive(name: str, value: object) -> int:
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be a positive int, got {value!r}") from None
+    if isinstance(value, bool) or n <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return n
+
+
+def _non_negative(name: str, value: object) -> int:
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}") from None
+    if isinstance(value, bool) or n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return n
+
+
+# --------------------------------------------------------------------------------------
+# Windows and bytes per token
+# --------------------------------------------------------------------------------------
+
+
+def window_sizes(model: ModelConfig, config: KvCacheConfig, max_seq_len: int) -> list[int]:
+    """The distinct attention windows of the model, ascending.
+
+    Layers whose window is ``None`` or ``>= max_seq_len`` are full attention and get window
+    ``max_seq_len``.
+
+    Args:
+        model: The model's attention shape.
+        config: Supplies the ``max_attention_window`` pattern (repeats over layers).
+        max_seq_len: Longest sequence the cache must hold.
+
+    Returns:
+        Ascending, distinct window sizes.
+
+    Raises:
+        ValueError: ``max_seq_len`` is not a positive int, or the pattern is longer than the
+            model has layers.
+
+    Example:
+        >>> m = ModelConfig(num_layers=4, num_kv_heads=8, head_dim=128)
+        >>> window_sizes(m, KvCacheConfig(max_attention_window=[4096, 512]), 2048)
+        [512, 2048]
+        >>> window_sizes(m, KvCacheConfig(), 2048)
+        [2048]
+    """
+    _positive("max_seq_len", max_seq_len)
+    return sorted(set(config.attention_window_per_layer(model.num_layers, max_seq_len)))
+
+
+def bytes_per_token(model: ModelConfig, config: KvCacheConfig, max_seq_len: int) -> dict[int, int]:
+    """KV bytes one token occupies in each window, summed over that window's layers.
+
+    ``bytes_per_token[w]`` = sum over the layers of window ``w`` of
+    ``num_kv_heads[layer] * kv_factor * head_dim * dtype_bytes``.
+
+    Args:
+        model: The model's attention shape.
+        config: Supplies the ``max_attention_window`` pattern.
+        max_seq_len: Longest sequence; full-attention layers get this window.
+
+    Returns:
+        Window -> bytes per token, in ascending window order.
+
+    Example:
+        Two layers of 8 heads and one of 4, head_dim 128, float16, pattern [1024, 1024, None]:
+        window 1024 holds 2 x 8 x 2 x 128 x 2 = 8192 B, the full window 4 x 2 x 128 x 2 = 2048 B.
+
+        >>> m = ModelConfig(num_layers=3, num_kv_heads=[8, 8, 4], head_dim=128)
+        >>> bytes_per_token(m, KvCacheConfig(max_attention_window=[1024, 1024, None]), 8192)
+        {1024: 8192, 8192: 2048}
+    """
+    layer_windows = config.attention_window_per_layer(model.num_layers, max_seq_len)
+    out = dict.fromkeys(sorted(set(layer_windows)), 0)
+    for window, nbytes in zip(layer_windows, model.bytes_per_token_per_layer(), strict=True):
+        out[window] += nbytes
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Shares
+# --------------------------------------------------------------------------------------
+
+
+def resolve_share_policy(
+    config_value: str | Sequence[float] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[SharePolicy, str]:
+    """Which share policy applies, and where it came from.
+
+    The first that is set wins: ``config_value`` (``KvCacheConfig.window_size_shares``), the
+    environment variable ``KVCACHE_WINDOW_SIZE_SHARES``, ``TRTLLM_WINDOW_SIZE_SHARES``, and
+    finally ``"equal"``. Empty environment values count as unset. Environment values are a
+    policy name or comma-separated numbers.
+
+    Args:
+        config_value: The config field's value (``None`` when unset).
+        environ: The environment to read (default ``os.environ``).
+
+    Returns:
+        ``(policy, source)``: a policy name or a tuple of raw shares, and a description of
+        its source for error messages.
+
+    Raises:
+        ValueError: The chosen source holds text that is not a policy or a list of finite,
+            non-negative numbers with a positive sum; the message names the source.
+
+    Example:
+        >>> resolve_share_policy(None, environ={"TRTLLM_WINDOW_SIZE_SHARES": "0.2, 0.8"})
+        ((0.2, 0.8), 'environment variable TRTLLM_WINDOW_SIZE_SHARES')
+        >>> resolve_share_policy("auto", environ={"KVCACHE_WINDOW_SIZE_SHARES": "1,1"})
+        ('auto', 'KvCacheConfig.window_size_shares')
+        >>> resolve_share_policy(None, environ={})
+        ('equal', 'default')
+    """
+    if config_value is not None:
+        return _normalise_policy(config_value, _CONFIG_SOURCE), _CONFIG_SOURCE
+    env = os.environ if environ is None else environ
+    for var in (SHARES_ENV_VAR, TRTLLM_SHARES_ENV_VAR):
+        text = env.get(var)
+        if text is not None and text.strip():
+            source = f"environment variable {var}"
+            return _parse_share_text(source, text), source
+    return "equal", "default"
+
+
+def _normalise_policy(policy: str | Sequence[float], source: str) -> SharePolicy:
+    if isinstance(policy, str):
+        return _parse_share_text(source, policy)
+    return _check_share_values(source, list(policy))
+
+
+def _share_fractions(
+    bpt: Mapping[int, int],
+    policy: SharePolicy,
+    source: str,
+    *,
+    max_seq_len: int | None,
+    expected_seq_len: int | None,
+    tokens_per_block: int,
+) -> dict[int, Fraction]:
+    """Exact shares per window (ascending); see :func:`window_size_shares`."""
+    windows = sorted(bpt)
+    if not windows:
+        raise ValueError("bytes_per_token is empty: the model has no windows")
+    for w in windows:
+        _positive(f"window {w!r}", w)
+        _positive(f"bytes_per_token[{w}]", bpt[w])
+    weights: list[Fraction]
+    if isinstance(policy, tuple):
+        if len(policy) != len(windows):
+            raise ValueError(
+                f"{source} gives {len(policy)} share(s) but the model has {len(windows)} "
+                f"window(s) {windows}; give one share per window in ascending window order"
+            )
+        # Through the shortest decimal text, so that 0.1, 0.2, 0.7 are exactly 1:2:7.
+        weights = [Fraction(repr(s)) for s in policy]
+    elif policy == "equal":
+        weights = [Fraction(1)] * len(windows)
+    elif policy == "proportional":
+        weights = [Fraction(w * bpt[w]) for w in windows]
+    elif policy == "auto":
+        seq_len = expected_seq_len if expected_seq_len is not None else max_seq_len
+        if seq_len is None:
+            raise ValueError(
+                f'the "auto" share policy ({source}) needs max_seq_len or expected_seq_len'
+            )
+        _positive("expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len)
+        tpb = _positive("tokens_per_block", tokens_per_block)
+        weights = [Fraction(min(w + tpb, seq_len) * bpt[w]) for w in windows]
+    else:
+        raise ValueError(
+            f"{source}: unknown share policy {policy!r}; expected one of "
+            f"{', '.join(map(repr, SHARE_POLICIES))} or one number per window"
+        )
+    total = sum(weights, Fraction(0))
+    if total <= 0:  # pragma: no cover - excluded by the value checks above
+        raise ValueError(f"{source}: shares are all zero; their sum must be positive")
+    return {w: x / total for w, x in zip(windows, weights, strict=True)}
+
+
+def window_size_shares(
+    bytes_per_token: Mapping[int, int],
+    policy: str | Sequence[float] | None = None,
+    *,
+    max_seq_len: int | None = None,
+    expected_seq_len: int | None = None,
+    tokens_per_block: int = 32,
+) -> dict[int, float]:
+    """Fraction of the memory budget given to each attention window; sums to 1.0.
+
+    Policies:
+
+    * ``"equal"``: ``1/n`` for each of the ``n`` windows (the default).
+    * ``"proportional"``: share ∝ ``window * bytes_per_token[window]``, the bytes one
+      full-length sequence would occupy if nothing were released.
+    * ``"auto"``: share ∝ ``min(window + tokens_per_block, L) * bytes_per_token[window]``
+      with ``L = expected_seq_len or max_seq_len``: the bytes one sequence keeps live in
+      that window, so every window runs out at the same concurrency.
+    * a sequence of numbers (or comma-separated text): one share per window in ascending
+      window order, normalised to sum 1.
+
+    With ``policy=None`` the environment decides (see :func:`resolve_share_policy`).
+
+    Args:
+        bytes_per_token: Window -> bytes per token (see :func:`bytes_per_token`).
+        policy: A policy name, a list of shares, or ``None`` for the environment/default.
+        max_seq_len: Sequence length for ``"auto"`` when ``expected_seq_len`` is not given.
+        expected_seq_len: Typical sequence length for ``"auto"``.
+        tokens_per_block: Block size, used by ``"auto"``.
+
+    Returns:
+        Window -> share, ascending window order, summing to 1.0.
+
+    Raises:
+        ValueError: Unknown policy; a share list of the wrong length, or with a negative,
+            NaN, infinite or non-numeric entry, or all zeros; ``"auto"`` without a length.
+            The message names the source (argument or environment variable).
+
+    Example:
+        Windows {1024, 4096, 8192} with equal bytes per token, "proportional":
+        1024 : 4096 : 8192 = 1 : 4 : 8, so 1/13, 4/13 and 8/13.
+
+        >>> shares = window_size_shares({1024: 10, 4096: 10, 8192: 10}, "proportional")
+        >>> [round(s, 4) for s in shares.values()]
+        [0.0769, 0.3077, 0.6154]
+        >>> window_size_shares({1024: 10, 4096: 10, 8192: 10}, "equal")[4096] == 1 / 3
+        True
+
+        "auto" for a Gemma-3-27B shape at 32,768 tokens (52 sliding layers of window 1024,
+        10 full layers, 8192 B per layer and token, 32-token blocks): the sliding window
+        keeps (1024 + 32) x 52 x 8192 B per sequence live, the full one 32768 x 10 x 8192 B,
+        so the full window gets 327680 / (54912 + 327680) ≈ 85.6 %.
+
+        >>> s = window_size_shares({1024: 425984, 32768: 81920}, "auto", max_seq_len=32768)
+        >>> round(s[32768], 4)
+        0.8565
+    """
+    if policy is None:
+        resolved, source = resolve_share_policy(None)
+    else:
+        source = "policy argument"
+        resolved = _normalise_policy(policy, source)
+    fractions = _share_fractions(
+        bytes_per_token,
+        resolved,
+        source,
+        max_seq_len=max_seq_len,
+        expected_seq_len=expected_seq_len,
+        tokens_per_block=tokens_per_block,
+    )
+    return {w: float(f) for w, f in fractions.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------
+
+
+def blocks_per_window(
+    model: ModelConfig,
+    config: KvCacheConfig,
+    max_seq_len: int,
+    primary_bytes: int,
+    secondary_bytes: int = 0,
+    *,
+    expected_seq_len: int | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Primary and secondary block counts per window for a memory budget.
+
+    ``primary[w] = floor(primary_bytes * share[w] / (bytes_per_token[w] * tokens_per_block))``
+    and ``secondary[w]`` likewise from ``secondary_bytes``, with shares from
+    ``config.window_size_shares``, else ``KVCACHE_WINDOW_SIZE_SHARES``, else
+    ``TRTLLM_WINDOW_SIZE_SHARES``, else ``"equal"``.
+
+    ``config.max_tokens`` caps the primary blocks of a single-window model at
+    ``ceil(max_tokens / tokens_per_block)``. With several windows it is ignored and a warning
+    is logged (once per ``max_tokens`` and window set): each window's pool then follows
+    from its share of the budget.
+
+    Args:
+        model: The model's attention shape.
+        config: Block size, window pattern, shares and ``max_tokens``.
+        max_seq_len: Longest sequence; full-attention layers get this window.
+        primary_bytes: Budget for primary (device) blocks.
+        secondary_bytes: Budget for secondary (host) blocks.
+        expected_seq_len: Typical sequence length for the ``"auto"`` policy (default
+            ``max_seq_len``).
+
+    Returns:
+        Window -> ``(primary_blocks, secondary_blocks)``, ascending window order.
+
+    Raises:
+        ValueError: Bad arguments or shares (see :func:`window_size_shares`), or a window
+            whose share of ``primary_bytes`` does not hold one block; the message names the
+            window and the missing bytes.
+
+    Example:
+        Three windows with equal bytes per token (one layer each, 1 head of 64, float16:
+        256 B per token, 4 KiB per 16-token block) and 16,384 blocks' worth of memory,
+        proportional shares 1/13, 4/13, 8/13:
+
+        >>> m = ModelConfig(num_layers=3, num_kv_heads=1, head_dim=64)
+        >>> c = KvCacheConfig(tokens_per_block=16, max_attention_window=[1024, 4096, 8192],
+        ...                   window_size_shares="proportional")
+        >>> blocks_per_window(m, c, 8192, primary_bytes=16384 * 4096)
+        {1024: (1260, 0), 4096: (5041, 0), 8192: (10082, 0)}
+    """
+    primary = _non_negative("primary_bytes", primary_bytes)
+    secondary = _non_negative("secondary_bytes", secondary_bytes)
+    tpb = config.tokens_per_block
+    bpt = bytes_per_token(model, config, max_seq_len)
+    policy, source = resolve_share_policy(config.window_size_shares)
+    shares = _share_fractions(
+        bpt,
+        policy,
+        source,
+        max_seq_len=max_seq_len,
+        expected_seq_len=expected_seq_len,
+        tokens_per_block=tpb,
+    )
+    windows = list(bpt)
+    cap: int | None = None
+    if config.max_tokens is not None:
+        if len(windows) == 1:
+            cap = -(-config.max_tokens // tpb)
+        else:
+            key = (config.max_tokens, tuple(windows))
+            if key not in _max_tokens_warned:
+                _max_tokens_warned.add(key)
+                logger.warning(
+                    "KvCacheConfig.max_tokens=%d is ignored: the model has %d attention "
+                    "windows %s, and each window's pool follows from its share of the memory "
+                    "budget",
+                    config.max_tokens,
+                    len(windows),
+                    windows,
+                )
+    out: dict[int, tuple[int, int]] = {}
+    for w in windows:
+        block_bytes = bpt[w] * tpb
+        n_primary = math.floor(primary * shares[w] / block_bytes)
+        n_secondary = math.floor(secondary * shares[w] / block_bytes)
+        if n_primary < 1:
+            window_bytes = math.floor(primary * shares[w])
+            missing = block_bytes - window_bytes
+            if shares[w] > 0:
+                need_total = math.ceil(block_bytes / shares[w])
+                hint = f"; a primary budget of at least {need_total} bytes is needed"
+            else:
+                hint = "; its share is 0"
+            raise ValueError(
+                f"memory budget too small: window {w} gets {window_bytes} bytes "
+                f"(share {float(shares[w]):.4f} of {primary} bytes) but one block needs "
+                f"{block_bytes} bytes ({tpb} tokens x {bpt[w]} bytes per token), "
+                f"{missing} bytes short{hint}"
+            )
+        if cap is not None:
+            n_primary = min(n_primary, cap)
+        out[w] = (n_primary, n_secondary)
+    return out
+
+
+def max_blocks_per_sequence(seq_len: int, window: int, tokens_per_block: int) -> int:
+    """Blocks one sequence of ``seq_len`` tokens needs at most in a window while decoding.
+
+    Full attention (``seq_len <= window``) needs ``ceil(seq_len / tokens_per_block)``. A
+    sliding window keeps the blocks covering the last ``window`` tokens; a window-sized span
+    that is not block-aligned straddles one more block, so it needs
+    ``ceil(window / tokens_per_block) + 1``.
+
+    Args:
+        seq_len: Tokens in the sequence (> 0).
+        window: Attention window (> 0).
+        tokens_per_block: Block size (> 0).
+
+    Returns:
+        The block count.
+
+    Example:
+        >>> max_blocks_per_sequence(512, 1024, 64), max_blocks_per_sequence(513, 1024, 64)
+        (8, 9)
+        >>> max_blocks_per_sequence(512, 256, 64), max_blocks_per_sequence(512, 257, 64)
+        (5, 6)
+    """
+    n = _positive("seq_len", seq_len)
+    w = _positive("window", window)
+    tpb = _positive("tokens_per_block", tokens_per_block)
+    return -(-min(n, w) // tpb) + (1 if n > w else 0)
+
+
+# --------------------------------------------------------------------------------------
+# Size strings
+# --------------------------------------------------------------------------------------
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parses a byte count such as ``"80GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1e9"``.
+
+    Units (case-insensitive, optional space before them): ``B``; decimal ``KB MB GB TB``
+    (powers of 1000); binary ``KiB MiB GiB TiB`` and the short ``K M G T`` (powers of 1024).
+    A fractional result is rounded down to whole bytes.
+
+    Args:
+        text: The size text, or an int that is returned as is.
+
+    Returns:
+        Bytes, >= 0.
+
+    Raises:
+        ValueError: Empty text, an unknown unit, a negative, NaN or infinite number.
+
+    Example:
+        >>> parse_size("80GiB"), parse_size("512 MiB"), parse_size("1.5GB"), parse_size("1e9")
+        (85899345920, 536870912, 1500000000, 1000000000)
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"invalid size {text!r}: must be >= 0")
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"invalid size {text!r}: expected text such as '80GiB'")
+    s = text.strip()
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    number, unit = s[:i].strip(), s[i:].lower()
+    # "1e9" ends in a digit, but "1e" would be split as number "1" and unit "e": reject.
+    if unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: unknown unit {s[i:]!r} "
+            "(use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+        )
+    try:
+        value = Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(
+            f"invalid size {text!r}: expected a number and a unit, e.g. '80GiB'"
+        ) from None
+    if value < 0:
+        raise ValueError(f"invalid size {text!r}: must be >= 0")
+    return math.floor(value * _UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size with three significant digits.
+
+    Example:
+        >>> format_size(85899345920), format_size(1536), format_size(100)
+        ('80.0 GiB', '1.50 KiB', '100 B')
+    """
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            return f"{value:.{digits}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,406 @@
+"""Tests for kvcache.sizing: windows, bytes per token, shares, blocks and size strings."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.sizing import (
+    SHARES_ENV_VAR,
+    TRTLLM_SHARES_ENV_VAR,
+    blocks_per_window,
+    bytes_per_token,
+    format_size,
+    max_blocks_per_sequence,
+    parse_size,
+    resolve_share_policy,
+    window_size_shares,
+    window_sizes,
+)
+
+GEMMA3_27B = ModelConfig(num_layers=62, num_kv_heads=16, head_dim=128, dtype="bfloat16")
+GEMMA3_PATTERN = [1024] * 5 + [None]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SHARES_ENV_VAR, raising=False)
+    monkeypatch.delenv(TRTLLM_SHARES_ENV_VAR, raising=False)
+
+
+def three_window_model() -> tuple[ModelConfig, int]:
+    """One layer per window, 1 head of 64, float16: 256 B per token in each window."""
+    return ModelConfig(num_layers=3, num_kv_heads=1, head_dim=64), 256
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+def test_window_sizes_pattern_repeats_and_clamps() -> None:
+    m = ModelConfig(num_layers=7, num_kv_heads=8, head_dim=128)
+    c = KvCacheConfig(max_attention_window=[512, 4096, None])
+    assert window_sizes(m, c, 2048) == [512, 2048]
+    assert window_sizes(m, c, 8192) == [512, 4096, 8192]
+    assert window_sizes(m, KvCacheConfig(), 100) == [100]
+
+
+def test_window_equal_to_max_seq_len_is_full_attention() -> None:
+    m = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=256)
+    c = KvCacheConfig(max_attention_window=[512, None])
+    assert window_sizes(m, c, 512) == [512]
+    assert window_sizes(m, c, 511) == [511]
+    assert bytes_per_token(m, c, 512) == {512: 2 * 2 * 256 * 2}
+
+
+def test_bytes_per_token_gemma3_27b() -> None:
+    c = KvCacheConfig(max_attention_window=GEMMA3_PATTERN)
+    # 62 layers: 10 full-attention (every 6th), 52 sliding; 16 * 2 * 128 * 2 = 8192 B a layer.
+    assert bytes_per_token(GEMMA3_27B, c, 32768) == {1024: 52 * 8192, 32768: 10 * 8192}
+
+
+def test_bytes_per_token_per_layer_heads() -> None:
+    m = ModelConfig(num_layers=4, num_kv_heads=[8, 2, 8, 2], head_dim=64, dtype="fp8", kv_factor=1)
+    c = KvCacheConfig(max_attention_window=[128, None])
+    assert bytes_per_token(m, c, 1024) == {128: 16 * 64, 1024: 4 * 64}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_window_sizes_rejects_bad_max_seq_len(bad: object) -> None:
+    m, _ = three_window_model()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        window_sizes(m, KvCacheConfig(), bad)  # type: ignore[arg-type]
+
+
+def test_pattern_longer_than_layers_rejected() -> None:
+    m = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="max_attention_window has 3 entries"):
+        window_sizes(m, KvCacheConfig(max_attention_window=[1, 2, 3]), 16)
+
+
+# ----------------------------------------------------------------------------- shares
+
+
+def test_proportional_shares_pinned() -> None:
+    shares = window_size_shares({1024: 7, 4096: 7, 8192: 7}, "proportional")
+    assert list(shares) == [1024, 4096, 8192]
+    assert shares[1024] == pytest.approx(1 / 13, abs=1e-15)
+    assert shares[4096] == pytest.approx(4 / 13, abs=1e-15)
+    assert shares[8192] == pytest.approx(8 / 13, abs=1e-15)
+    assert math.fsum(shares.values()) == pytest.approx(1.0, abs=1e-15)
+
+
+def test_proportional_weights_bytes_per_token() -> None:
+    # 1024 * 2048 : 4096 * 6144 = 1 : 12
+    shares = window_size_shares({1024: 2048, 4096: 6144}, "proportional")
+    assert shares == {1024: 1 / 13, 4096: 12 / 13}
+
+
+def test_equal_shares_thirds() -> None:
+    assert window_size_shares({1: 5, 2: 70, 3: 900}, "equal") == {1: 1 / 3, 2: 1 / 3, 3: 1 / 3}
+
+
+def test_default_is_equal() -> None:
+    assert window_size_shares({10: 1, 20: 3}) == {10: 0.5, 20: 0.5}
+
+
+def test_single_window_is_one() -> None:
+    for policy in ("equal", "proportional", "auto", [3.0]):
+        assert window_size_shares({4096: 99}, policy, max_seq_len=4096) == {4096: 1.0}
+
+
+def test_auto_shares_gemma3_27b_at_32k() -> None:
+    c = KvCacheConfig(max_attention_window=GEMMA3_PATTERN)
+    bpt = bytes_per_token(GEMMA3_27B, c, 32768)
+    shares = window_size_shares(bpt, "auto", max_seq_len=32768, tokens_per_block=32)
+    # full: 32768 * 10 ; sliding: (1024 + 32) * 52  (times 8192 B each)
+    assert shares[32768] == pytest.approx(327680 / (327680 + 54912), rel=1e-12)
+    assert round(shares[32768] * 100, 1) == 85.6
+
+
+def test_auto_expected_seq_len_and_tokens_per_block() -> None:
+    bpt = {1024: 100, 32768: 100}
+    shares = window_size_shares(
+        bpt, "auto", max_seq_len=32768, expected_seq_len=2048, tokens_per_block=64
+    )
+    assert shares == {1024: 1088 / (1088 + 2048), 32768: 2048 / (1088 + 2048)}
+    # a sequence shorter than the window: both windows hold the whole sequence
+    short = window_size_shares(bpt, "auto", expected_seq_len=512)
+    assert short == {1024: 0.5, 32768: 0.5}
+
+
+def test_auto_without_length_rejected() -> None:
+    with pytest.raises(ValueError, match=r'"auto" share policy.*needs max_seq_len'):
+        window_size_shares({1: 1, 2: 1}, "auto")
+
+
+def test_explicit_list_normalised() -> None:
+    assert window_size_shares({1: 1, 2: 1, 3: 1}, [1, 1, 2]) == {1: 0.25, 2: 0.25, 3: 0.5}
+    assert window_size_shares({1: 1, 2: 1}, "3, 1") == {1: 0.75, 2: 0.25}
+    assert window_size_shares({1: 1, 2: 1}, [0, 5]) == {1: 0.0, 2: 1.0}
+
+
+def test_env_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    bpt = {1: 1, 2: 1}
+    monkeypatch.setenv(TRTLLM_SHARES_ENV_VAR, "1,3")
+    assert window_size_shares(bpt) == {1: 0.25, 2: 0.75}
+    monkeypatch.setenv(SHARES_ENV_VAR, "3,1")
+    assert window_size_shares(bpt) == {1: 0.75, 2: 0.25}
+    # an explicit policy beats both variables
+    assert window_size_shares(bpt, "equal") == {1: 0.5, 2: 0.5}
+    # an empty variable counts as unset
+    monkeypatch.setenv(SHARES_ENV_VAR, "  ")
+    assert window_size_shares(bpt) == {1: 0.25, 2: 0.75}
+    monkeypatch.setenv(SHARES_ENV_VAR, "proportional")
+    assert window_size_shares(bpt) == {1: 1 / 3, 2: 2 / 3}
+
+
+def test_resolve_share_policy_sources() -> None:
+    env = {SHARES_ENV_VAR: "1,2", TRTLLM_SHARES_ENV_VAR: "2,1"}
+    assert resolve_share_policy([5, 5], environ=env) == (
+        (5.0, 5.0),
+        "KvCacheConfig.window_size_shares",
+    )
+    assert resolve_share_policy(None, environ=env) == (
+        (1.0, 2.0),
+        f"environment variable {SHARES_ENV_VAR}",
+    )
+    assert resolve_share_policy(None, environ={TRTLLM_SHARES_ENV_VAR: "auto"}) == (
+        "auto",
+        f"environment variable {TRTLLM_SHARES_ENV_VAR}",
+    )
+    assert resolve_share_policy(None, environ={}) == ("equal", "default")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1,2,3", "gives 3 share"),
+        ("1", "gives 1 share"),
+        ("1,-1", "entry 1 is negative"),
+        ("nan,1", "entry 0 is nan"),
+        ("1,inf", "entry 1 is inf"),
+        ("0,0", "all zero"),
+        ("1,abc", "entry 1 is 'abc'"),
+        ("1,,2", "entry 1 is ''"),
+        ("fair", "entry 0 is 'fair'"),
+    ],
+)
+@pytest.mark.parametrize("var", [SHARES_ENV_VAR, TRTLLM_SHARES_ENV_VAR])
+def test_env_errors_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"environment variable {var}") as info:
+        window_size_shares({1: 1, 2: 1})
+    assert message in str(info.value)
+
+
+def test_env_error_in_first_variable_is_not_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SHARES_ENV_VAR, "oops")
+    monkeypatch.setenv(TRTLLM_SHARES_ENV_VAR, "1,1")
+    with pytest.raises(ValueError, match=SHARES_ENV_VAR):
+        window_size_shares({1: 1, 2: 1})
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ([1.0], "policy argument gives 1 share"),
+        ([1.0, -0.5], "entry 1 is negative"),
+        ([float("nan"), 1.0], "entry 0 is nan"),
+        ([0, 0.0], "all zero"),
+        (["a", 1], "entry 0 must be a number"),
+        ([None, 1], "entry 0 must be a number"),
+        ([True, 1], "entry 0 must be a number"),
+        ("uniform", "entry 0 is 'uniform'"),
+    ],
+)
+def test_argument_errors(policy: object, message: str) -> None:
+    with pytest.raises(ValueError, match="policy argument") as info:
+        window_size_shares({1: 1, 2: 1}, policy)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_config_share_count_error_names_field() -> None:
+    m, _ = three_window_model()
+    c = KvCacheConfig(max_attention_window=[1, 2, 3], window_size_shares=[1, 1])
+    with pytest.raises(ValueError, match=r"KvCacheConfig.window_size_shares gives 2 share\(s\)"):
+        blocks_per_window(m, c, 8, primary_bytes=10**9)
+
+
+def test_config_field_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SHARES_ENV_VAR, "not numbers")
+    m, bpt = three_window_model()
+    c = KvCacheConfig(
+        tokens_per_block=1, max_attention_window=[1, 2, 3], window_size_shares="equal"
+    )
+    assert blocks_per_window(m, c, 8, primary_bytes=3 * bpt * 10) == {
+        1: (10, 0),
+        2: (10, 0),
+        3: (10, 0),
+    }
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def test_blocks_per_window_proportional_pinned() -> None:
+    m, bpt = three_window_model()
+    c = KvCacheConfig(
+        tokens_per_block=16,
+        max_attention_window=[1024, 4096, 8192],
+        window_size_shares="proportional",
+    )
+    out = blocks_per_window(m, c, 8192, primary_bytes=16384 * bpt * 16)
+    assert out == {1024: (1260, 0), 4096: (5041, 0), 8192: (10082, 0)}
+
+
+def test_blocks_per_window_equal_and_secondary() -> None:
+    m, bpt = three_window_model()
+    c = KvCacheConfig(tokens_per_block=16, max_attention_window=[1024, 4096, None])
+    block = bpt * 16
+    out = blocks_per_window(m, c, 8192, primary_bytes=300 * block, secondary_bytes=31 * block)
+    assert out == {1024: (100, 10), 4096: (100, 10), 8192: (100, 10)}
+
+
+def test_blocks_per_window_exact_no_float_rounding() -> None:
+    # 3 x 1/3 of an exact multiple must not come out one short.
+    m, bpt = three_window_model()
+    c = KvCacheConfig(tokens_per_block=1, max_attention_window=[1, 2, 3])
+    assert blocks_per_window(m, c, 8, primary_bytes=3 * 49 * bpt) == {
+        1: (49, 0),
+        2: (49, 0),
+        3: (49, 0),
+    }
+
+
+def test_blocks_per_window_env_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TRTLLM_SHARES_ENV_VAR, "0.1,0.2,0.7")
+    m, bpt = three_window_model()
+    c = KvCacheConfig(tokens_per_block=1, max_attention_window=[1, 2, 3])
+    assert blocks_per_window(m, c, 8, primary_bytes=100 * bpt) == {
+        1: (10, 0),
+        2: (20, 0),
+        3: (70, 0),
+    }
+
+
+def test_blocks_per_window_gemma3_auto_balances_concurrency() -> None:
+    c = KvCacheConfig(max_attention_window=GEMMA3_PATTERN, window_size_shares="auto")
+    out = blocks_per_window(GEMMA3_27B, c, 32768, primary_bytes=80 * 2**30)
+    assert out == {1024: (904, 0), 32768: (28064, 0)}
+    # both windows fit the same number of 32k-token sequences
+    assert out[1024][0] // max_blocks_per_sequence(32768, 1024, 32) == 27
+    assert out[32768][0] // max_blocks_per_sequence(32768, 32768, 32) == 27
+
+
+def test_max_tokens_caps_single_window() -> None:
+    m = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=64)
+    c = KvCacheConfig(tokens_per_block=16, max_tokens=1000)
+    assert blocks_per_window(m, c, 4096, primary_bytes=10**9) == {4096: (63, 0)}
+    # a budget below the cap wins
+    assert blocks_per_window(m, c, 4096, primary_bytes=10 * 16 * 512) == {4096: (10, 0)}
+
+
+def test_max_tokens_ignored_under_vswa_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m, bpt = three_window_model()
+    c = KvCacheConfig(tokens_per_block=1, max_attention_window=[1, 2, 3], max_tokens=987_654)
+    with caplog.at_level(logging.WARNING, logger="kvcache.sizing"):
+        first = blocks_per_window(m, c, 8, primary_bytes=30 * bpt)
+        second = blocks_per_window(m, c, 8, primary_bytes=30 * bpt)
+    assert first == second == {1: (10, 0), 2: (10, 0), 3: (10, 0)}
+    warnings = [r for r in caplog.records if "max_tokens=987654 is ignored" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+
+
+def test_budget_too_small_names_window_and_bytes() -> None:
+    m, bpt = three_window_model()
+    c = KvCacheConfig(tokens_per_block=16, max_attention_window=[1024, 4096, 8192])
+    block = bpt * 16  # 4096 B
+    # equal thirds of 3 * 4096 - 3 bytes: every window is 1 byte short; the first is named
+    with pytest.raises(ValueError) as info:
+        blocks_per_window(m, c, 8192, primary_bytes=3 * block - 3)
+    msg = str(info.value)
+    assert "window 1024 gets 4095 bytes" in msg
+    assert "one block needs 4096 bytes" in msg
+    assert "1 bytes short" in msg
+    assert "at least 12288 bytes" in msg
+
+
+def test_budget_zero_share_window_rejected() -> None:
+    m, _ = three_window_model()
+    c = KvCacheConfig(max_attention_window=[1, 2, 3], window_size_shares=[0, 1, 1])
+    with pytest.raises(ValueError, match=r"window 1 gets 0 bytes.*its share is 0"):
+        blocks_per_window(m, c, 8, primary_bytes=10**9)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GiB", None])
+def test_blocks_per_window_rejects_bad_budget(bad: object) -> None:
+    m, _ = three_window_model()
+    with pytest.raises(ValueError, match="primary_bytes must be a non-negative int"):
+        blocks_per_window(m, KvCacheConfig(), 8, primary_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="secondary_bytes must be a non-negative int"):
+        blocks_per_window(m, KvCacheConfig(), 8, 10**9, secondary_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "window", "tpb", "expected"),
+    [
+        (512, 1024, 64, 8),
+        (513, 1024, 64, 9),
+        (512, 256, 64, 5),
+        (512, 257, 64, 6),
+        (1, 4096, 32, 1),
+        (32768, 32768, 32, 1024),
+        (32768, 1024, 32, 33),
+    ],
+)
+def test_max_blocks_per_sequence(seq_len: int, window: int, tpb: int, expected: int) -> None:
+    assert max_blocks_per_sequence(seq_len, window, tpb) == expected
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("80 GiB", 80 * 2**30),
+        ("80gib", 80 * 2**30),
+        ("80G", 80 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("1e9", 1_000_000_000),
+        ("2.5e3KB", 2_500_000),
+        ("4096", 4096),
+        ("4096B", 4096),
+        (" 1 TiB ", 2**40),
+        ("0.1KiB", 102),
+        ("0", 0),
+        (123, 123),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "80 GiBs", "80XB", "-1GiB", "nan", "inf GB", "1e", "1,5GB", "ten", -5]
+)
+def test_parse_size_errors(text: str | int) -> None:
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert format_size(80 * 2**30) == "80.0 GiB"
+    assert format_size(1536) == "1.50 KiB"
+    assert format_size(100) == "100 B"
+    assert format_size(300 * 2**20) == "300 MiB"
+    assert format_size(5 * 2**40) == "5.00 TiB"
