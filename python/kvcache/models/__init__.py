@@ -1,0 +1,173 @@
+"""Built-in model presets: the KV cache shape of well-known (mostly VSWA) models.
+
+Each preset is a JSON data file next to this module (shipped in the wheel) holding the
+model's attention shape, its window pattern and its maximum context, taken from the
+model's published Hugging Face ``config.json``.
+
+Example:
+    >>> from kvcache.models import list_models, load_model
+    >>> "gemma-3-27b" in list_models()
+    True
+    >>> p = load_model("gemma-3-27b")
+    >>> p.model.num_layers, p.max_attention_window, p.max_context
+    (62, (1024, 1024, 1024, 1024, 1024, None), 131072)
+    >>> p.kv_cache_config(tokens_per_block=64).max_attention_window
+    (1024, 1024, 1024, 1024, 1024, None)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvcache.config import KvCacheConfig, ModelConfig
+
+__all__ = ["ModelPreset", "list_models", "load_model"]
+
+_SUFFIX = ".json"
+_KEYS = ("name", "description", "model", "max_attention_window", "max_context", "source")
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model's KV cache shape.
+
+    Attributes:
+        name: Preset name, e.g. ``"gemma-3-27b"``.
+        model: Layers, KV heads, head size and dtype.
+        max_attention_window: Window pattern repeating over the layers (``None`` entries are
+            full attention); ``None`` when every layer is full attention.
+        max_context: The model's maximum context length in tokens.
+        description: One line for people.
+        source: Where the numbers come from.
+    """
+
+    name: str
+    model: ModelConfig
+    max_attention_window: tuple[int | None, ...] | None
+    max_context: int
+    description: str
+    source: str = ""
+
+    def kv_cache_config(self, **overrides: Any) -> KvCacheConfig:
+        """A ``KvCacheConfig`` with this preset's window pattern and the given fields.
+
+        Example:
+            >>> load_model("mistral-7b-v0.1").kv_cache_config(backend="virtual").backend
+            'virtual'
+        """
+        fields: dict[str, Any] = {"max_attention_window": self.max_attention_window}
+        fields.update(overrides)
+        return KvCacheConfig(**fields)
+
+    def window_pattern_text(self) -> str:
+        """The window pattern in words, e.g. ``"5 x 1024, full (repeating)"``.
+
+        Example:
+            >>> load_model("gpt-oss-20b").window_pattern_text()
+            '128, full (repeating)'
+            >>> load_model("llama-3.1-8b").window_pattern_text()
+            'full'
+        """
+        pattern = self.max_attention_window
+        if pattern is None:
+            return "full"
+        runs: list[tuple[int | None, int]] = []
+        for w in pattern:
+            if runs and runs[-1][0] == w:
+                runs[-1] = (w, runs[-1][1] + 1)
+            else:
+                runs.append((w, 1))
+
+        def word(w: int | None) -> str:
+            return "full" if w is None else str(w)
+
+        if len(runs) == 1:
+            return f"{word(runs[0][0])} on every layer"
+        parts = [word(w) if n == 1 else f"{n} x {word(w)}" for w, n in runs]
+        return ", ".join(parts) + " (repeating)"
+
+
+def _data_dir() -> Any:
+    return resources.files("kvcache.models")
+
+
+def list_models() -> list[str]:
+    """Names of the built-in presets, sorted.
+
+    Example:
+        >>> list_models()[:3]
+        ['command-a', 'gemma-2-27b', 'gemma-2-9b']
+    """
+    names = [
+        entry.name[: -len(_SUFFIX)]
+        for entry in _data_dir().iterdir()
+        if entry.name.endswith(_SUFFIX) and entry.is_file()
+    ]
+    return sorted(names)
+
+
+def load_model(name: str) -> ModelPreset:
+    """Loads a preset by name (case-insensitive), or from a preset JSON file path.
+
+    Args:
+        name: A name from :func:`list_models`, or the path of a ``.json`` file in the same
+            format as the built-in presets.
+
+    Returns:
+        The preset.
+
+    Raises:
+        ValueError: Unknown name (the message lists the known ones) or a malformed file.
+
+    Example:
+        >>> load_model("Gemma-3-1B").model.num_kv_heads
+        1
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    if name.endswith(_SUFFIX) and os.path.isfile(name):
+        text = Path(name).read_text(encoding="utf-8")
+        return _parse(text, origin=name)
+    key = name.strip().lower()
+    if key not in list_models():
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(list_models())}")
+    text = (_data_dir() / f"{key}{_SUFFIX}").read_text(encoding="utf-8")
+    return _parse(text, origin=f"preset {key!r}")
+
+
+def _parse(text: str, *, origin: str) -> ModelPreset:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{origin}: invalid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{origin}: expected a JSON object")
+    unknown = sorted(set(d) - set(_KEYS))
+    missing = [k for k in ("name", "model", "max_context") if k not in d]
+    if unknown or missing:
+        raise ValueError(f"{origin}: unknown keys {unknown} / missing keys {missing}")
+    try:
+        if not isinstance(d["model"], dict):
+            raise ValueError("'model' must be an object of ModelConfig fields")
+        model = ModelConfig.from_dict(d["model"])
+        # KvCacheConfig validates and normalises the window pattern.
+        pattern = KvCacheConfig(max_attention_window=d.get("max_attention_window"))
+        max_context = d["max_context"]
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
+            raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+        window = pattern.max_attention_window
+        return ModelPreset(
+            name=str(d["name"]),
+            model=model,
+            max_attention_window=None if window is None else tuple(window),
+            max_context=max_context,
+            description=str(d.get("description", "")),
+            source=str(d.get("source", "")),
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{origin}: {e}") from None
