@@ -1,0 +1,10 @@
+// Declarations shared by the binding translation units. No logic lives in the bindings beyond
+// argument conversion, GIL handling and exception translation.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace kvcache::py {
+void BindErrors(pybind11::module_& m);
+void BindManager(pybind11::module_& m);
+}  // namespace kvcache::py

@@ -1,0 +1,202 @@
+// The manager façade: sequences, fanned out over one WindowBlockManager per window size.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvcache/memory_backend.h"
+#include "kvcache/sequence.h"
+#include "kvcache/types.h"
+#include "kvcache/window_block_manager.h"
+
+namespace kvcache {
+
+/// Shape of the model's KV cache.
+struct ModelSpec {
+  std::int32_t num_layers = 0;
+  /// KV heads per layer (num_layers entries), or a single entry used for every layer.
+  std::vector<std::int32_t> num_kv_heads;
+  std::int32_t head_dim = 0;
+  DType dtype = DType::kFloat16;
+  std::int32_t kv_factor = 2;  ///< 2 = K and V; 1 = K only (MLA).
+};
+
+/// Block counts of one window.
+struct WindowBlocks {
+  std::int32_t primary = 0;
+  std::int32_t secondary = 0;
+};
+
+/// Everything the manager needs besides the model.
+struct ManagerConfig {
+  std::int32_t tokens_per_block = 32;
+  /// Window per layer, repeating over the layers; <= 0 or >= max_seq_len means full attention.
+  /// Empty: every layer is full attention.
+  std::vector<std::int32_t> max_attention_window;
+  std::int32_t max_seq_len = 0;     ///< Required: longest sequence (prompt + generated tokens).
+  std::int32_t max_batch_size = 0;  ///< Most sequences registered at once (0: no limit).
+  std::map<WindowSize, WindowBlocks> blocks_per_window;  ///< Keys must equal the window sizes.
+  BackendKind backend = BackendKind::kAuto;
+  /// Sliding windows keep this many tokens beyond the window, so rewinding up to this many
+  /// tokens (rejected draft tokens) never needs a block that was already released.
+  std::int32_t max_draft_tokens = 0;
+};
+
+/// Counters and occupancy. Block counts are primary blocks summed over windows.
+struct KvCacheStats {
+  std::int64_t max_num_blocks = 0;
+  std::int64_t free_num_blocks = 0;
+  std::int64_t used_num_blocks = 0;
+  std::int32_t tokens_per_block = 0;
+  std::int64_t alloc_total_blocks = 0;  ///< Blocks given to sequences (new + reused).
+  std::int64_t alloc_new_blocks = 0;    ///< Blocks taken from the free queues.
+  std::int64_t reused_blocks = 0;
+  std::int64_t missed_blocks = 0;
+  double cache_hit_rate = 0.0;  ///< reused / (reused + missed), 0 when both are 0.
+  std::map<WindowSize, std::int64_t> num_free_blocks_per_window_size;
+  std::int64_t allocated_bytes = 0;  ///< Pool bytes actually allocated (0 for virtual).
+  std::int64_t offloaded_blocks = 0;
+  std::int64_t onboarded_blocks = 0;
+};
+
+/// One pool as seen by an engine: which layers it holds and where its memory is.
+struct PoolInfo {
+  WindowSize window = 0;
+  std::int32_t num_kv_heads = 0;
+  std::vector<std::int32_t> layers;
+  std::int32_t kv_factor = 2;
+  std::size_t block_bytes = 0;
+  std::int32_t num_primary = 0;
+  std::int32_t num_secondary = 0;
+  std::uintptr_t primary_ptr = 0;
+  std::uintptr_t secondary_ptr = 0;
+};
+
+/// Strided view of one layer's primary K/V memory:
+/// `[primary_blocks, kv_factor, num_kv_heads, tokens_per_block, head_dim]`.
+struct LayerView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat16;
+  std::array<std::int64_t, 5> shape{};
+  std::array<std::int64_t, 5> strides{};  ///< In bytes.
+  BackendKind backend = BackendKind::kHost;
+};
+
+/// Options of AddSequence.
+struct SequenceOptions {
+  std::optional<int> priority;  ///< Retention priority 0..100 of this sequence's blocks.
+};
+
+/// KV cache manager for models with one or more attention window sizes (VSWA).
+///
+/// Thread-safe: every public method takes one internal mutex. Every mutating call is
+/// check-then-mutate: it either succeeds completely or throws with no state changed.
+class KVCacheManager {
+ public:
+  KVCacheManager(const ModelSpec& model, const ManagerConfig& config);
+  ~KVCacheManager();
+  KVCacheManager(const KVCacheManager&) = delete;
+  KVCacheManager& operator=(const KVCacheManager&) = delete;
+
+  /// Window sizes, ascending and distinct (full attention = max_seq_len).
+  const std::vector<WindowSize>& window_sizes() const { return window_sizes_; }
+  std::int32_t tokens_per_block() const { return tpb_; }
+  std::int32_t max_seq_len() const { return max_seq_len_; }
+  std::int32_t max_batch_size() const { return max_batch_size_; }
+  std::int32_t max_draft_tokens() const { return max_draft_tokens_; }
+  /// Block positions a sequence of max_seq_len tokens spans: ceil(max_seq_len / tpb).
+  std::int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
+  std::int32_t kv_factor() const { return kv_factor_; }
+  BackendKind backend() const { return backend_->Kind(); }
+  std::map<WindowSize, WindowBlocks> blocks_per_window() const;
+  /// Pools in global order (ascending window, then ascending KV-head count).
+  std::vector<PoolInfo> pools() const;
+  /// (global pool index, index of the layer inside its pool) for every layer.
+  const std::vector<std::pair<std::int32_t, std::int32_t>>& layer_to_pool() const {
+    return layer_to_pool_;
+  }
+
+  /// Registers sequence `id` with prompt `tokens[0..n)` and gives every window blocks for it.
+  /// Returns the number of prompt tokens already cached in every window (0 without reuse).
+  std::int32_t AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
+                           const SequenceOptions& options = {});
+  /// Appends one generated token to `id`.
+  void AddToken(SeqId id, TokenId token);
+  /// Appends tokens[i] to ids[i] for a whole batch; all or nothing.
+  void AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n);
+  /// Ends sequence `id` and releases its blocks.
+  void RemoveSequence(SeqId id, bool store_for_reuse = true, bool pin = false);
+  /// Drops the last `num_tokens` tokens of `id`, releasing blocks that become empty.
+  void Rewind(SeqId id, std::int32_t num_tokens);
+
+  std::int32_t NumTokens(SeqId id) const;
+  bool HasSequence(SeqId id) const;
+  std::size_t NumSequences() const;
+  /// Block list of `id` in `window`: one entry per block position, kNullBlock where released.
+  std::vector<BlockId> GetCacheBlockIds(SeqId id, WindowSize window) const;
+  /// Primary blocks of `window` that can be handed out now.
+  std::int32_t GetNumFreeBlocks(WindowSize window) const;
+  /// Minimum of GetNumFreeBlocks over all windows.
+  std::int32_t GetMinNumFreeBlocks() const;
+
+  /// Fills `out` (int32, C-contiguous `[num_pools, rows, kv_factor, width]`) for a batch.
+  /// Row `slot_offset + i` belongs to ids[i]; the entry of pool p, field k (0 = K, 1 = V) and
+  /// block position j is `block_id * layers_in_pool * kv_factor + k`, or kOffsetSentinel for a
+  /// released position and for positions past the sequence's end up to the returned width.
+  /// Returns the widest row written (the most block positions of any sequence in the batch).
+  std::int32_t CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
+                                const SeqId* ids, std::size_t n, std::int64_t slot_offset) const;
+
+  /// Strided view of layer `layer`'s primary memory; throws on the virtual backend.
+  LayerView GetLayerView(std::int32_t layer) const;
+
+  KvCacheStats GetStats() const;
+  /// Verifies every invariant; throws InternalError describing the first violation.
+  void CheckInvariants() const;
+
+ private:
+  struct WindowCounters {
+    std::int64_t alloc_total = 0;
+    std::int64_t alloc_new = 0;
+    std::int64_t reused = 0;
+    std::int64_t missed = 0;
+  };
+
+  Sequence& Find(SeqId id);
+  const Sequence& Find(SeqId id) const;
+  std::size_t WindowIndex(WindowSize window) const;
+  /// Number of leading block positions a sliding window may have released at `num_tokens`.
+  std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const;
+  /// Releases the front blocks of `seq` in window `w` that left the window.
+  void ReleaseFront(Sequence& seq, std::size_t w);
+
+  std::int32_t tpb_;
+  std::int32_t max_seq_len_;
+  std::int32_t max_batch_size_;
+  std::int32_t max_draft_tokens_;
+  std::int32_t max_blocks_per_seq_;
+  std::int32_t kv_factor_;
+  DType dtype_;
+  std::vector<WindowSize> window_sizes_;
+  std::unique_ptr<MemoryBackend> backend_;
+  std::vector<std::unique_ptr<WindowBlockManager>> windows_;
+  std::vector<WindowCounters> counters_;
+  std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
+  std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)
+  std::unordered_map<SeqId, Sequence> sequences_;
+  std::uint64_t stamp_ = 0;
+  // Scratch space of AddTokens, kept to avoid allocations on the decode path.
+  std::vector<Sequence*> batch_;
+  std::vector<BlockId> shared_release_;
+  mutable std::mutex mu_;
+};
+
+}  // namespace kvcache

@@ -1,0 +1,481 @@
+#include "kvcache/kv_cache_manager.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <string>
+
+#include "kvcache/errors.h"
+
+namespace kvcache {
+namespace {
+
+std::int32_t CeilDiv(std::int64_t a, std::int64_t b) { return static_cast<std::int32_t>((a + b - 1) / b); }
+
+void ValidateModel(const ModelSpec& model) {
+  if (model.num_layers <= 0) ThrowInvalid("num_layers must be positive, got ", model.num_layers);
+  if (model.head_dim <= 0) ThrowInvalid("head_dim must be positive, got ", model.head_dim);
+  if (model.kv_factor != 1 && model.kv_factor != 2) {
+    ThrowInvalid("kv_factor must be 1 or 2, got ", model.kv_factor);
+  }
+  const auto n = model.num_kv_heads.size();
+  if (n != 1 && n != static_cast<std::size_t>(model.num_layers)) {
+    ThrowInvalid("num_kv_heads must have 1 or num_layers (", model.num_layers, ") entries, got ", n);
+  }
+  for (auto h : model.num_kv_heads) {
+    if (h <= 0) ThrowInvalid("num_kv_heads entries must be positive, got ", h);
+  }
+}
+
+}  // namespace
+
+KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& config)
+    : tpb_(config.tokens_per_block),
+      max_seq_len_(config.max_seq_len),
+      max_batch_size_(config.max_batch_size),
+      max_draft_tokens_(config.max_draft_tokens),
+      max_blocks_per_seq_(0),
+      kv_factor_(model.kv_factor),
+      dtype_(model.dtype) {
+  ValidateModel(model);
+  if (tpb_ <= 0) ThrowInvalid("tokens_per_block must be positive, got ", tpb_);
+  if (max_seq_len_ <= 0) ThrowInvalid("max_seq_len is required and must be positive, got ", max_seq_len_);
+  if (max_batch_size_ < 0) ThrowInvalid("max_batch_size must be >= 0, got ", max_batch_size_);
+  if (max_draft_tokens_ < 0) ThrowInvalid("max_draft_tokens must be >= 0, got ", max_draft_tokens_);
+  max_blocks_per_seq_ = CeilDiv(max_seq_len_, tpb_);
+
+  // Window of every layer: the pattern repeats over the layers; full attention = max_seq_len.
+  std::vector<WindowSize> layer_window(static_cast<std::size_t>(model.num_layers), max_seq_len_);
+  const auto& pattern = config.max_attention_window;
+  for (std::int32_t l = 0; l < model.num_layers && !pattern.empty(); ++l) {
+    const std::int32_t w = pattern[static_cast<std::size_t>(l) % pattern.size()];
+    layer_window[l] = (w <= 0 || w >= max_seq_len_) ? max_seq_len_ : w;
+  }
+  const std::set<WindowSize> distinct(layer_window.begin(), layer_window.end());
+  window_sizes_.assign(distinct.begin(), distinct.end());
+
+  // blocks_per_window must name exactly these windows.
+  std::vector<WindowSize> given;
+  for (const auto& kv : config.blocks_per_window) given.push_back(kv.first);
+  if (given != window_sizes_) {
+    std::string want;
+    std::string got;
+    for (auto w : window_sizes_) want += (want.empty() ? "" : ", ") + std::to_string(w);
+    for (auto w : given) got += (got.empty() ? "" : ", ") + std::to_string(w);
+    ThrowInvalid("blocks_per_window keys must be the window sizes [", want, "], got [", got, "]");
+  }
+  for (const auto& [w, counts] : config.blocks_per_window) {
+    if (counts.primary <= 0) ThrowInvalid("window ", w, " needs at least one primary block, got ", counts.primary);
+    if (counts.secondary < 0) ThrowInvalid("window ", w, " has a negative secondary block count");
+  }
+
+  backend_ = MakeBackend(config.backend);
+  const int elem_bytes = DTypeBytes(model.dtype);
+  layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
+  std::int32_t global_pool = 0;
+  for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
+    const WindowSize window = window_sizes_[w];
+    std::map<std::int32_t, PoolLayout> by_heads;  // ascending head count
+    for (std::int32_t l = 0; l < model.num_layers; ++l) {
+      if (layer_window[l] != window) continue;
+      const std::int32_t heads = model.num_kv_heads.size() == 1 ? model.num_kv_heads[0] : model.num_kv_heads[l];
+      PoolLayout& pool = by_heads[heads];
+      pool.num_kv_heads = heads;
+      pool.layers.push_back(l);
+      pool.kv_factor = model.kv_factor;
+      pool.tokens_per_block = tpb_;
+      pool.head_dim = model.head_dim;
+      pool.elem_bytes = elem_bytes;
+    }
+    std::vector<PoolLayout> pools;
+    for (auto& kv : by_heads) {
+      const auto pool_in_window = pools.size();
+      for (std::size_t i = 0; i < kv.second.layers.size(); ++i) {
+        layer_to_pool_[kv.second.layers[i]] = {global_pool, static_cast<std::int32_t>(i)};
+      }
+      pool_index_.emplace_back(w, pool_in_window);
+      ++global_pool;
+      pools.push_back(std::move(kv.second));
+    }
+    const WindowBlocks counts = config.blocks_per_window.at(window);
+    windows_.push_back(std::make_unique<WindowBlockManager>(window, window < max_seq_len_, std::move(pools),
+                                                            counts.primary, counts.secondary, backend_.get()));
+  }
+  counters_.assign(windows_.size(), WindowCounters{});
+}
+
+KVCacheManager::~KVCacheManager() = default;
+
+std::map<WindowSize, WindowBlocks> KVCacheManager::blocks_per_window() const {
+  std::map<WindowSize, WindowBlocks> out;
+  for (const auto& w : windows_) out[w->window()] = WindowBlocks{w->num_primary(), w->num_secondary()};
+  return out;
+}
+
+std::vector<PoolInfo> KVCacheManager::pools() const {
+  std::vector<PoolInfo> out;
+  for (const auto& [w, p] : pool_index_) {
+    const WindowBlockManager& wm = *windows_[w];
+    const PoolLayout& layout = wm.pools()[p];
+    PoolInfo info;
+    info.window = wm.window();
+    info.num_kv_heads = layout.num_kv_heads;
+    info.layers = layout.layers;
+    info.kv_factor = layout.kv_factor;
+    info.block_bytes = layout.BlockBytes();
+    info.num_primary = wm.num_primary();
+    info.num_secondary = wm.num_secondary();
+    info.primary_ptr = reinterpret_cast<std::uintptr_t>(wm.primary_base(p));
+    info.secondary_ptr = reinterpret_cast<std::uintptr_t>(wm.secondary_base(p));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+Sequence& KVCacheManager::Find(SeqId id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) throw UnknownSequenceError(id);
+  return it->second;
+}
+
+const Sequence& KVCacheManager::Find(SeqId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) throw UnknownSequenceError(id);
+  return it->second;
+}
+
+std::size_t KVCacheManager::WindowIndex(WindowSize window) const {
+  auto it = std::lower_bound(window_sizes_.begin(), window_sizes_.end(), window);
+  if (it == window_sizes_.end() || *it != window) {
+    std::string known;
+    for (auto w : window_sizes_) known += (known.empty() ? "" : ", ") + std::to_string(w);
+    ThrowInvalid("window_size ", window, " is not one of this manager's windows [", known, "]");
+  }
+  return static_cast<std::size_t>(it - window_sizes_.begin());
+}
+
+std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_tokens) const {
+  if (!windows_[w]->is_swa()) return 0;
+  const std::int64_t below = static_cast<std::int64_t>(num_tokens) - window_sizes_[w] - max_draft_tokens_;
+  return below <= 0 ? 0 : static_cast<std::int32_t>(below / tpb_);
+}
+
+void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w) {
+  SequenceWindow& sw = seq.windows[w];
+  const std::int32_t target = ReleaseTarget(w, seq.num_tokens);
+  while (sw.front_null < target) {
+    BlockId& slot = sw.blocks[static_cast<std::size_t>(sw.front_null)];
+    windows_[w]->Release(slot);
+    slot = kNullBlock;
+    ++sw.front_null;
+  }
+}
+
+std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
+                                         const SequenceOptions& options) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
+  if (n == 0) ThrowInvalid("request ", id, ": the prompt is empty");
+  if (n > static_cast<std::size_t>(max_seq_len_)) {
+    ThrowInvalid("request ", id, ": prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0) ThrowInvalid("request ", id, ": token ", i, " is negative (", tokens[i], ")");
+  }
+  const int priority = options.priority.value_or(kDefaultPriority);
+  if (priority < kMinPriority || priority > kMaxPriority) {
+    ThrowInvalid("request ", id, ": priority must be in 0..100, got ", priority);
+  }
+  if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
+    throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
+                                      ") sequences are already registered"));
+  }
+  const std::int32_t num_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (windows_[w]->NumFreePrimary() < num_blocks) {
+      throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", num_blocks,
+                                            " blocks for a ", n, "-token prompt but has ",
+                                            windows_[w]->NumFreePrimary(), " free"));
+    }
+  }
+  Sequence& seq = sequences_[id];
+  seq.id = id;
+  seq.num_tokens = static_cast<std::int32_t>(n);
+  seq.prompt_len = seq.num_tokens;
+  seq.priority = priority;
+  seq.tokens.assign(tokens, tokens + n);
+  seq.windows.resize(windows_.size());
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    auto& blocks = seq.windows[w].blocks;
+    blocks.reserve(static_cast<std::size_t>(num_blocks));
+    for (std::int32_t i = 0; i < num_blocks; ++i) blocks.push_back(windows_[w]->Acquire(id));
+    counters_[w].alloc_total += num_blocks;
+    counters_[w].alloc_new += num_blocks;
+  }
+  return 0;
+}
+
+void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 1); }
+
+void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // 1. Validate every argument before touching anything.
+  ++stamp_;
+  batch_.clear();
+  std::int32_t need = 0;  // sequences that start a new block (the same in every window)
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& seq = Find(ids[i]);
+    if (seq.batch_stamp == stamp_) ThrowInvalid("request id ", ids[i], " appears twice in one add_tokens call");
+    seq.batch_stamp = stamp_;
+    if (tokens[i] < 0) ThrowInvalid("request ", ids[i], ": token is negative (", tokens[i], ")");
+    if (seq.num_tokens >= max_seq_len_) {
+      ThrowInvalid("request ", ids[i], ": adding a token would exceed max_seq_len ", max_seq_len_);
+    }
+    if (seq.num_tokens % tpb_ == 0) ++need;
+    batch_.push_back(&seq);
+  }
+  // 2. Check that every window can serve the new blocks, counting the blocks that the
+  //    sliding windows release in this same step (released before anything is allocated).
+  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
+    WindowBlockManager& wm = *windows_[w];
+    std::int64_t available = wm.NumFreePrimary();
+    if (available >= need) continue;
+    shared_release_.clear();
+    for (const Sequence* seq : batch_) {
+      const SequenceWindow& sw = seq->windows[w];
+      const std::int32_t target = ReleaseTarget(w, seq->num_tokens + 1);
+      for (std::int32_t j = sw.front_null; j < target; ++j) {
+        const BlockId b = sw.blocks[static_cast<std::size_t>(j)];
+        if (wm.RefCount(b) == 1) {
+          ++available;
+        } else {
+          shared_release_.push_back(b);
+        }
+      }
+    }
+    // A block shared by several sequences of the batch is freed if all its holders release it.
+    std::sort(shared_release_.begin(), shared_release_.end());
+    for (std::size_t i = 0; i < shared_release_.size();) {
+      std::size_t j = i;
+      while (j < shared_release_.size() && shared_release_[j] == shared_release_[i]) ++j;
+      if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++available;
+      i = j;
+    }
+    if (available < need) {
+      throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
+                                            " but only ", available, " can be freed or are free"));
+    }
+  }
+  // 3. Mutate: append, release what left each sliding window, then allocate.
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& seq = *batch_[i];
+    seq.tokens.push_back(tokens[i]);
+    ++seq.num_tokens;
+    for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w);
+  }
+  if (need == 0) return;
+  for (Sequence* seq : batch_) {
+    if ((seq->num_tokens - 1) % tpb_ != 0) continue;
+    for (std::size_t w = 0; w < windows_.size(); ++w) seq->windows[w].blocks.push_back(windows_[w]->Acquire(seq->id));
+  }
+  for (auto& c : counters_) {
+    c.alloc_total += need;
+    c.alloc_new += need;
+  }
+}
+
+void KVCacheManager::RemoveSequence(SeqId id, bool /*store_for_reuse*/, bool /*pin*/) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) throw UnknownSequenceError(id);
+  Sequence& seq = it->second;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    auto& sw = seq.windows[w];
+    // Newest first: a sequence's tail is the least shareable part and is evicted first.
+    for (auto b = sw.blocks.rbegin(); b != sw.blocks.rend(); ++b) {
+      if (*b != kNullBlock) windows_[w]->Release(*b);
+    }
+  }
+  sequences_.erase(it);
+}
+
+void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Sequence& seq = Find(id);
+  if (num_tokens < 0) ThrowInvalid("rewind: num_tokens must be >= 0, got ", num_tokens);
+  if (num_tokens >= seq.num_tokens) {
+    ThrowInvalid("rewind: request ", id, " has ", seq.num_tokens, " tokens; cannot drop ", num_tokens);
+  }
+  const std::int32_t new_len = seq.num_tokens - num_tokens;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const std::int32_t front = seq.windows[w].front_null;
+    if (front > 0 && static_cast<std::int64_t>(front) * tpb_ > static_cast<std::int64_t>(new_len) - window_sizes_[w]) {
+      ThrowInvalid("rewind: request ", id, " would need tokens that window ", window_sizes_[w],
+                   " already released; rewind at most max_draft_tokens (", max_draft_tokens_,
+                   ") tokens past the last release");
+    }
+  }
+  const auto keep = static_cast<std::size_t>(CeilDiv(new_len, tpb_));
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    auto& blocks = seq.windows[w].blocks;
+    while (blocks.size() > keep) {
+      windows_[w]->Release(blocks.back(), /*to_front=*/true);
+      blocks.pop_back();
+    }
+  }
+  seq.tokens.resize(static_cast<std::size_t>(new_len));
+  seq.num_tokens = new_len;
+}
+
+std::int32_t KVCacheManager::NumTokens(SeqId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Find(id).num_tokens;
+}
+
+bool KVCacheManager::HasSequence(SeqId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sequences_.count(id) != 0;
+}
+
+std::size_t KVCacheManager::NumSequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sequences_.size();
+}
+
+std::vector<BlockId> KVCacheManager::GetCacheBlockIds(SeqId id, WindowSize window) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t w = WindowIndex(window);
+  return Find(id).windows[w].blocks;
+}
+
+std::int32_t KVCacheManager::GetNumFreeBlocks(WindowSize window) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return windows_[WindowIndex(window)]->NumFreePrimary();
+}
+
+std::int32_t KVCacheManager::GetMinNumFreeBlocks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::int32_t m = windows_.front()->NumFreePrimary();
+  for (const auto& w : windows_) m = std::min(m, w->NumFreePrimary());
+  return m;
+}
+
+std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
+                                              const SeqId* ids, std::size_t n, std::int64_t slot_offset) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slot_offset < 0) ThrowInvalid("slot_offset must be >= 0, got ", slot_offset);
+  if (slot_offset + static_cast<std::int64_t>(n) > rows) {
+    ThrowInvalid("copy_block_offsets: rows ", slot_offset, "..", slot_offset + static_cast<std::int64_t>(n) - 1,
+                 " do not fit an output with ", rows, " rows");
+  }
+  std::int32_t widest = 0;
+  std::vector<const Sequence*> seqs;
+  seqs.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    seqs.push_back(&Find(ids[i]));
+    widest = std::max(widest, static_cast<std::int32_t>(seqs.back()->windows[0].blocks.size()));
+  }
+  if (widest > width) {
+    ThrowInvalid("copy_block_offsets: a sequence spans ", widest, " blocks but the output is ", width, " wide");
+  }
+  const std::int64_t kv = kv_factor_;
+  for (std::size_t g = 0; g < pool_index_.size(); ++g) {
+    const auto [w, p] = pool_index_[g];
+    const std::int64_t stride = static_cast<std::int64_t>(windows_[w]->pools()[p].layers.size()) * kv;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& blocks = seqs[i]->windows[w].blocks;
+      for (std::int64_t k = 0; k < kv; ++k) {
+        std::int32_t* row = out + ((static_cast<std::int64_t>(g) * rows + slot_offset + static_cast<std::int64_t>(i)) * kv + k) * width;
+        std::int32_t j = 0;
+        for (; j < static_cast<std::int32_t>(blocks.size()); ++j) {
+          const BlockId b = blocks[static_cast<std::size_t>(j)];
+          row[j] = b == kNullBlock ? kOffsetSentinel : static_cast<std::int32_t>(b * stride + k);
+        }
+        for (; j < widest; ++j) row[j] = kOffsetSentinel;
+      }
+    }
+  }
+  return widest;
+}
+
+LayerView KVCacheManager::GetLayerView(std::int32_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layer < 0 || layer >= static_cast<std::int32_t>(layer_to_pool_.size())) {
+    ThrowInvalid("layer_idx ", layer, " is out of range [0, ", layer_to_pool_.size(), ")");
+  }
+  if (!backend_->HasMemory()) throw KVCacheError("the virtual backend has no KV memory to view");
+  const auto [g, idx] = layer_to_pool_[static_cast<std::size_t>(layer)];
+  const auto [w, p] = pool_index_[static_cast<std::size_t>(g)];
+  const WindowBlockManager& wm = *windows_[w];
+  const PoolLayout& pool = wm.pools()[p];
+  const std::int64_t elem = pool.elem_bytes;
+  const auto slab = static_cast<std::int64_t>(pool.SlabBytes());
+  LayerView view;
+  view.data = static_cast<unsigned char*>(wm.primary_base(p)) + static_cast<std::int64_t>(idx) * kv_factor_ * slab;
+  view.dtype = dtype_;
+  view.shape = {wm.num_primary(), kv_factor_, pool.num_kv_heads, tpb_, pool.head_dim};
+  view.strides = {static_cast<std::int64_t>(pool.BlockBytes()), slab,
+                  static_cast<std::int64_t>(tpb_) * pool.head_dim * elem, pool.head_dim * elem, elem};
+  view.backend = backend_->Kind();
+  return view;
+}
+
+KvCacheStats KVCacheManager::GetStats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  KvCacheStats s;
+  s.tokens_per_block = tpb_;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const auto& wm = *windows_[w];
+    s.max_num_blocks += wm.num_primary();
+    s.free_num_blocks += wm.NumFreePrimary();
+    s.num_free_blocks_per_window_size[wm.window()] = wm.NumFreePrimary();
+    s.allocated_bytes += static_cast<std::int64_t>(wm.allocated_bytes());
+    s.alloc_total_blocks += counters_[w].alloc_total;
+    s.alloc_new_blocks += counters_[w].alloc_new;
+    s.reused_blocks += counters_[w].reused;
+    s.missed_blocks += counters_[w].missed;
+  }
+  s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
+  const auto lookups = s.reused_blocks + s.missed_blocks;
+  s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
+  return s;
+}
+
+void KVCacheManager::CheckInvariants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::vector<std::int32_t>> refs(windows_.size());
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    refs[w].assign(static_cast<std::size_t>(windows_[w]->num_primary() + windows_[w]->num_secondary()), 0);
+  }
+  for (const auto& [id, seq] : sequences_) {
+    KVC_CHECK(seq.id == id, "sequence id mismatch");
+    KVC_CHECK(static_cast<std::int32_t>(seq.tokens.size()) == seq.num_tokens,
+              detail::Concat("request ", id, ": token count ", seq.tokens.size(), " != num_tokens ", seq.num_tokens));
+    KVC_CHECK(seq.num_tokens >= 1 && seq.num_tokens <= max_seq_len_, detail::Concat("request ", id, ": bad length"));
+    const auto positions = static_cast<std::size_t>(CeilDiv(seq.num_tokens, tpb_));
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      const SequenceWindow& sw = seq.windows[w];
+      KVC_CHECK(sw.blocks.size() == positions,
+                detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.blocks.size(),
+                               " block positions for ", seq.num_tokens, " tokens"));
+      const std::int64_t limit = windows_[w]->is_swa() ? seq.num_tokens - window_sizes_[w] : 0;
+      KVC_CHECK(sw.front_null == 0 || static_cast<std::int64_t>(sw.front_null) * tpb_ <= limit,
+                detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.front_null,
+                               " released blocks reach into the window"));
+      for (std::size_t j = 0; j < positions; ++j) {
+        const BlockId b = sw.blocks[j];
+        if (static_cast<std::int32_t>(j) < sw.front_null) {
+          KVC_CHECK(b == kNullBlock, detail::Concat("request ", id, ": released position ", j, " holds a block"));
+          continue;
+        }
+        KVC_CHECK(b >= 0 && b < windows_[w]->num_primary(),
+                  detail::Concat("request ", id, ", window ", window_sizes_[w], ": position ", j,
+                                 " holds invalid block ", b));
+        ++refs[w][static_cast<std::size_t>(b)];
+      }
+    }
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
+}
+
+}  // namespace kvcache

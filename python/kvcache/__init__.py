@@ -1,0 +1,49 @@
+"""kvcache: a KV cache manager for LLM inference engines with variable sliding windows.
+
+The native core (``kvcache._core``) keeps one block pool per attention window size, writes
+every window linearly and releases blocks that left a sliding window. This package adds
+configuration, memory sizing per window and the ``KVCacheManager`` facade.
+"""
+
+from __future__ import annotations
+
+from kvcache._core import (
+    CudaError,
+    DeviceOOMError,
+    InternalError,
+    KVCacheError,
+    OutOfBlocksError,
+)
+from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.manager import (
+    NULL_BLOCK,
+    OFFSET_SENTINEL,
+    KVCacheManager,
+    KvCacheStats,
+    available_memory_bytes,
+    cuda_available,
+)
+from kvcache.sizing import blocks_per_window, bytes_per_token, window_size_shares, window_sizes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NULL_BLOCK",
+    "OFFSET_SENTINEL",
+    "CudaError",
+    "DeviceOOMError",
+    "InternalError",
+    "KVCacheError",
+    "KVCacheManager",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "ModelConfig",
+    "OutOfBlocksError",
+    "__version__",
+    "available_memory_bytes",
+    "blocks_per_window",
+    "bytes_per_token",
+    "cuda_available",
+    "window_size_shares",
+    "window_sizes",
+]
