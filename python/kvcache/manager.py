@@ -118,14 +118,20 @@ def _native_kwargs(
             f"blocks_per_window keys must be the window sizes {expected}, got {sorted(blocks)}"
         )
     counts: dict[int, tuple[int, int]] = {}
-    for window, value in blocks.items():
-        pair = (value, 0) if isinstance(value, int) else tuple(value)
-        if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+    for window, count in blocks.items():
+        if isinstance(count, int) and not isinstance(count, bool):
+            counts[int(window)] = (count, 0)
+        elif (
+            isinstance(count, tuple)
+            and len(count) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in count)
+        ):
+            counts[int(window)] = (count[0], count[1])
+        else:
             raise ValueError(
                 f"blocks_per_window[{window}] must be an int or a (primary, secondary) pair, "
-                f"got {value!r}"
+                f"got {count!r}"
             )
-        counts[int(window)] = (int(pair[0]), int(pair[1]))
     pattern = config.max_attention_window
     return {
         "num_layers": model.num_layers,
@@ -143,7 +149,7 @@ def _native_kwargs(
     }
 
 
-class KVCacheManager(_core.KVCacheManager):  # type: ignore[misc]
+class KVCacheManager(_core.KVCacheManager):
     """KV cache manager for models with one or more attention windows (VSWA).
 
     One block pool per (window, KV-head count); every window's blocks are written linearly

@@ -1,0 +1,79 @@
+"""Per-step cost of the native manager (virtual backend: bookkeeping only).
+
+Prints a table of medians; never asserts. Run: ``python bench/bench_manager.py``.
+
+* ``add_tokens``: one decode step for a batch of 256 sequences on a model with two windows
+  (a 128-token sliding window and full attention), reported as ns per sequence per step.
+* ``add_sequence + remove_sequence`` of a 4,096-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
+
+
+def _manager(max_seq_len: int, blocks: int) -> KVCacheManager:
+    model = ModelConfig(num_layers=24, num_kv_heads=8, head_dim=64, dtype="bfloat16")
+    config = KvCacheConfig(tokens_per_block=32, max_attention_window=[128, None], backend="virtual")
+    return KVCacheManager.from_blocks(
+        model,
+        config,
+        {128: blocks, max_seq_len: blocks},
+        max_seq_len=max_seq_len,
+        max_batch_size=4096,
+    )
+
+
+def bench_add_tokens(batch: int, steps: int, repeats: int) -> float:
+    """Median ns per sequence per decode step."""
+    samples = []
+    for r in range(repeats):
+        m = _manager(max_seq_len=8192, blocks=batch * ((400 + steps) // 32 + 2))
+        ids = np.arange(batch, dtype=np.int64)
+        for i in ids:
+            m.add_sequence(int(i), np.arange(100 + (int(i) * 7) % 300, dtype=np.int32))
+        tokens = np.full(batch, 5, dtype=np.int32)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter_ns()
+            m.add_tokens(ids, tokens)
+            times.append(time.perf_counter_ns() - t0)
+        samples.append(statistics.median(times) / batch)
+        del r
+    return statistics.median(samples)
+
+
+def bench_add_remove(prompt_len: int, iterations: int) -> float:
+    """Median µs for add_sequence + remove_sequence of one prompt."""
+    m = _manager(max_seq_len=8192, blocks=1024)
+    prompt = np.arange(prompt_len, dtype=np.int32)
+    times = []
+    for i in range(iterations):
+        t0 = time.perf_counter_ns()
+        m.add_sequence(i, prompt)
+        m.remove_sequence(i)
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    per_seq = bench_add_tokens(args.batch, args.steps, args.repeats)
+    add_remove = bench_add_remove(4096, 2000)
+    print(f"{'benchmark':<48} {'median':>12}")
+    print(f"{f'add_tokens, batch {args.batch}, 2 windows':<48} {per_seq:>9.1f} ns/seq/step")
+    print(f"{'add_sequence + remove_sequence, 4096 tokens':<48} {add_remove:>9.1f} us")
+
+
+if __name__ == "__main__":
+    main()

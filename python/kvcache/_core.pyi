@@ -1,0 +1,214 @@
+"""
+kvcache native core: VSWA block pools, sliding windows and memory backends
+"""
+
+from __future__ import annotations
+import collections.abc
+import typing
+import typing_extensions
+
+__all__: list[str] = [
+    "CudaError",
+    "DEFAULT_PRIORITY",
+    "DeviceOOMError",
+    "InternalError",
+    "KVCacheError",
+    "KVCacheManager",
+    "LayerBuffer",
+    "NULL_BLOCK",
+    "OFFSET_SENTINEL",
+    "OutOfBlocksError",
+    "cuda_available",
+    "cuda_compiled",
+    "cuda_mem_get_info",
+]
+
+class KVCacheError(RuntimeError):
+    pass
+
+class InternalError(KVCacheError):
+    pass
+
+class OutOfBlocksError(KVCacheError):
+    pass
+
+class CudaError(KVCacheError):
+    pass
+
+class DeviceOOMError(CudaError):
+    pass
+
+class LayerBuffer:
+    """
+    Strided view of one layer's K/V memory (DLPack and __cuda_array_interface__ producer).
+    """
+    def __dlpack__(
+        self,
+        stream: typing.Any = None,
+        *,
+        max_version: typing.Any = None,
+        dl_device: typing.Any = None,
+        copy: typing.Any = None,
+    ) -> typing_extensions.CapsuleType: ...
+    def __dlpack_device__(self) -> tuple: ...
+    @property
+    def __cuda_array_interface__(self) -> dict: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple: ...
+    @property
+    def strides(self) -> tuple:
+        """
+        Strides in bytes.
+        """
+
+class KVCacheManager:
+    """
+    Native KV cache manager (see kvcache.KVCacheManager).
+    """
+    def __init__(
+        self,
+        *,
+        num_layers: typing.SupportsInt | typing.SupportsIndex,
+        num_kv_heads: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        head_dim: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+        kv_factor: typing.SupportsInt | typing.SupportsIndex,
+        tokens_per_block: typing.SupportsInt | typing.SupportsIndex,
+        max_attention_window: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        max_seq_len: typing.SupportsInt | typing.SupportsIndex,
+        max_batch_size: typing.SupportsInt | typing.SupportsIndex,
+        blocks_per_window: collections.abc.Mapping[
+            typing.SupportsInt | typing.SupportsIndex,
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex
+            ],
+        ],
+        backend: str,
+        max_draft_tokens: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    def _add_sequence(
+        self,
+        request_id: typing.SupportsInt | typing.SupportsIndex,
+        tokens: typing.Any,
+        priority: typing.SupportsInt | typing.SupportsIndex | None = None,
+    ) -> int: ...
+    def _layer_buffer(self, layer_idx: typing.SupportsInt | typing.SupportsIndex) -> LayerBuffer:
+        """
+        LayerBuffer view on any backend with memory (tests).
+        """
+    def _stats_dict(self) -> dict: ...
+    def add_token(
+        self,
+        request_id: typing.SupportsInt | typing.SupportsIndex,
+        token: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
+        """
+        Appends one generated token.
+        """
+    def add_tokens(self, request_ids: typing.Any, tokens: typing.Any) -> None:
+        """
+        Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.
+        """
+    def check_invariants(self) -> None:
+        """
+        Verifies every internal invariant; raises KVCacheError describing the first violation.
+        """
+    def copy_block_offsets(
+        self,
+        out: typing.Any,
+        request_ids: typing.Any,
+        slot_offset: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> int: ...
+    def get_buffers(self, layer_idx: typing.SupportsInt | typing.SupportsIndex) -> typing.Any:
+        """
+        K/V memory of one layer, [primary_blocks, kv_factor, num_kv_heads, tokens_per_block, head_dim]: a numpy array on the host backend, a LayerBuffer on CUDA.
+        """
+    def get_cache_block_ids(
+        self,
+        request_id: typing.SupportsInt | typing.SupportsIndex,
+        window_size: typing.SupportsInt | typing.SupportsIndex | None = None,
+    ) -> list[int]:
+        """
+        Block ids per position (NULL_BLOCK where a sliding window released the block).
+        """
+    def get_num_free_blocks(
+        self, window_size: typing.SupportsInt | typing.SupportsIndex | None = None
+    ) -> int:
+        """
+        Primary blocks that can be handed out now; without window_size the minimum over windows.
+        """
+    def has_sequence(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def num_tokens(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    def remove_sequence(
+        self,
+        request_id: typing.SupportsInt | typing.SupportsIndex,
+        *,
+        store_for_reuse: bool = True,
+        pin: bool = False,
+    ) -> None:
+        """
+        Ends a sequence and releases its blocks.
+        """
+    def rewind(
+        self,
+        request_id: typing.SupportsInt | typing.SupportsIndex,
+        num_tokens: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
+        """
+        Drops the last num_tokens tokens, releasing blocks that become empty.
+        """
+    @property
+    def backend(self) -> str: ...
+    @property
+    def blocks_per_window(self) -> dict[int, tuple[int, int]]: ...
+    @property
+    def kv_factor(self) -> int: ...
+    @property
+    def layer_to_pool(self) -> list[tuple[int, int]]:
+        """
+        (global pool index, index inside the pool) for every layer.
+        """
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_blocks_per_seq(self) -> int: ...
+    @property
+    def max_draft_tokens(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def num_pools(self) -> int: ...
+    @property
+    def num_sequences(self) -> int: ...
+    @property
+    def pools(self) -> list:
+        """
+        One dict per pool in global order (ascending window, then KV-head count).
+        """
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def window_sizes(self) -> list[int]: ...
+
+def cuda_available() -> bool:
+    """
+    True if the CUDA backend was compiled in and a CUDA device is usable now.
+    """
+
+def cuda_compiled() -> bool:
+    """
+    True if the CUDA backend was compiled in.
+    """
+
+def cuda_mem_get_info() -> tuple[int, int]:
+    """
+    (free, total) bytes of the current CUDA device; raises CudaError without one.
+    """
+
+DEFAULT_PRIORITY: int = 35
+NULL_BLOCK: int = -1
+OFFSET_SENTINEL: int = -1
