@@ -1,0 +1,405 @@
+"""The ``kvcache`` command line: ``models``, ``plan`` and ``simulate``.
+
+Errors print one line to stderr (``kvcache: error: ...``) and exit with status 2 for
+usage mistakes and 1 for everything else; no tracebacks.
+
+Example:
+    $ kvcache models
+    $ kvcache plan --model gemma-3-27b --memory 80GiB --max-seq-len 32768
+    $ kvcache simulate --model gemma-3-12b --memory 24GiB --shares auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TextIO
+
+from kvcache.config import SHARE_POLICIES, KvCacheConfig
+from kvcache.models import ModelPreset, list_models, load_model
+from kvcache.sizing import (
+    blocks_per_window,
+    bytes_per_token,
+    format_size,
+    max_blocks_per_sequence,
+    parse_size,
+)
+
+__all__ = ["PlanRow", "PolicyPlan", "main", "make_plan"]
+
+_PROG = "kvcache"
+
+
+class _UsageError(Exception):
+    """A command-line mistake; reported as one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+# --------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One window under one share policy."""
+
+    window: int
+    layers: int
+    bytes_per_token: int
+    share: float
+    blocks: int
+    tokens: int
+    blocks_per_sequence: int
+    max_sequences: int
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """Every window under one share policy, and the concurrency it allows."""
+
+    policy: str
+    rows: tuple[PlanRow, ...]
+    max_sequences: int
+    limiting_window: int
+
+
+def make_plan(
+    preset: ModelPreset,
+    memory_bytes: int,
+    max_seq_len: int,
+    *,
+    tokens_per_block: int = 32,
+    policies: Sequence[str | Sequence[float]] = SHARE_POLICIES,
+) -> dict[str, Any]:
+    """Blocks, tokens and maximum concurrent sequences per window under each share policy.
+
+    A sequence of ``max_seq_len`` tokens needs
+    :func:`kvcache.sizing.max_blocks_per_sequence` blocks in each window; the concurrency of
+    a policy is the minimum over windows of ``blocks // blocks_per_sequence``. The same
+    budget with every layer at full attention is given as the baseline.
+
+    Args:
+        preset: The model.
+        memory_bytes: Primary memory budget.
+        max_seq_len: Sequence length to plan for.
+        tokens_per_block: Block size.
+        policies: Share policies to compare (names or per-window share lists).
+
+    Returns:
+        ``{"policies": [PolicyPlan, ...], "full_attention": PolicyPlan, "model": preset,
+        "memory_bytes": ..., "max_seq_len": ..., "tokens_per_block": ...}``.
+
+    Raises:
+        ValueError: Bad shares or a budget too small for one block per window.
+
+    Example:
+        >>> plan = make_plan(load_model("gemma-3-27b"), 80 * 2**30, 32768)
+        >>> [(p.policy, p.max_sequences) for p in plan["policies"]]
+        [('equal', 16), ('proportional', 25), ('auto', 27)]
+        >>> plan["full_attention"].max_sequences
+        5
+    """
+    out: list[PolicyPlan] = []
+    for policy in policies:
+        name = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
+        config = preset.kv_cache_config(
+            tokens_per_block=tokens_per_block, window_size_shares=policy
+        )
+        out.append(_policy_plan(preset, config, name, memory_bytes, max_seq_len))
+    full = KvCacheConfig(tokens_per_block=tokens_per_block)
+    baseline = _policy_plan(preset, full, "all layers full attention", memory_bytes, max_seq_len)
+    return {
+        "model": preset,
+        "memory_bytes": memory_bytes,
+        "max_seq_len": max_seq_len,
+        "tokens_per_block": tokens_per_block,
+        "policies": out,
+        "full_attention": baseline,
+    }
+
+
+def _policy_plan(
+    preset: ModelPreset, config: KvCacheConfig, name: str, memory: int, max_seq_len: int
+) -> PolicyPlan:
+    tpb = config.tokens_per_block
+    model = preset.model
+    blocks = blocks_per_window(model, config, max_seq_len, memory)
+    bpt = bytes_per_token(model, config, max_seq_len)
+    layer_windows = config.attention_window_per_layer(model.num_layers, max_seq_len)
+    total_bytes = sum(blocks[w][0] * bpt[w] * tpb for w in blocks)
+    rows = []
+    for w, (primary, _) in blocks.items():
+        per_seq = max_blocks_per_sequence(max_seq_len, w, tpb)
+        rows.append(
+            PlanRow(
+                window=w,
+                layers=layer_windows.count(w),
+                bytes_per_token=bpt[w],
+                share=primary * bpt[w] * tpb / total_bytes,
+                blocks=primary,
+                tokens=primary * tpb,
+                blocks_per_sequence=per_seq,
+                max_sequences=primary // per_seq,
+            )
+        )
+    limiting = min(rows, key=lambda r: (r.max_sequences, r.window))
+    return PolicyPlan(name, tuple(rows), limiting.max_sequences, limiting.window)
+
+
+def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
+    preset: ModelPreset = plan["model"]
+    m = preset.model
+    n = plan["max_seq_len"]
+    print(
+        f"{preset.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
+        f"{m.dtype}; windows: {preset.window_pattern_text()}; max context {preset.max_context:,}",
+        file=out,
+    )
+    print(
+        f"primary memory {format_size(plan['memory_bytes'])} ({plan['memory_bytes']:,} B), "
+        f"tokens_per_block {plan['tokens_per_block']}, sequences of {n:,} tokens",
+        file=out,
+    )
+    if n > preset.max_context:
+        print(f"note: {n:,} tokens exceed the model's context of {preset.max_context:,}", file=out)
+    header = (
+        f"  {'window':>7} {'layers':>6} {'B/token':>10} {'share':>7} {'blocks':>10} "
+        f"{'tokens':>13} {'blk/seq':>8} {'max seqs':>9}"
+    )
+    baseline: PolicyPlan = plan["full_attention"]
+    for p in [*plan["policies"], baseline]:
+        print(file=out)
+        print(f"{p.policy}:", file=out)
+        print(header, file=out)
+        for r in p.rows:
+            print(
+                f"  {r.window:>7,} {r.layers:>6} {r.bytes_per_token:>10,} {r.share:>7.1%} "
+                f"{r.blocks:>10,} {r.tokens:>13,} {r.blocks_per_sequence:>8,} "
+                f"{r.max_sequences:>9,}",
+                file=out,
+            )
+        print(
+            f"  -> at most {p.max_sequences:,} concurrent sequences of {n:,} tokens "
+            f"(limited by window {p.limiting_window:,})",
+            file=out,
+        )
+    print(file=out)
+    print("summary (max concurrent sequences):", file=out)
+    for p in plan["policies"]:
+        gain = (
+            f"{p.max_sequences / baseline.max_sequences:.2f}x"
+            if baseline.max_sequences
+            else "n/a (full attention fits none)"
+        )
+        print(f"  {p.policy:<14} {p.max_sequences:>8,}   vs all-full-attention: {gain}", file=out)
+    print(f"  {'full attention':<14} {baseline.max_sequences:>8,}", file=out)
+
+
+def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
+    def policy(p: PolicyPlan) -> dict[str, Any]:
+        return {
+            "policy": p.policy,
+            "max_sequences": p.max_sequences,
+            "limiting_window": p.limiting_window,
+            "windows": [vars(r) for r in p.rows],
+        }
+
+    return {
+        "model": plan["model"].name,
+        "memory_bytes": plan["memory_bytes"],
+        "max_seq_len": plan["max_seq_len"],
+        "tokens_per_block": plan["tokens_per_block"],
+        "policies": [policy(p) for p in plan["policies"]],
+        "full_attention": policy(plan["full_attention"]),
+    }
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    preset = load_model(args.model)
+    memory = parse_size(args.memory)
+    max_seq_len = args.max_seq_len if args.max_seq_len is not None else preset.max_context
+    policies: list[str | Sequence[float]] = list(SHARE_POLICIES)
+    if args.shares is not None:
+        custom = KvCacheConfig(window_size_shares=args.shares).window_size_shares
+        assert custom is not None
+        if custom not in policies:
+            policies.append(custom)
+    plan = make_plan(
+        preset, memory, max_seq_len, tokens_per_block=args.tokens_per_block, policies=policies
+    )
+    if args.json:
+        print(json.dumps(_plan_json(plan), indent=2))
+    else:
+        _render_plan(plan, sys.stdout)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    presets = [load_model(name) for name in list_models()]
+    if args.json:
+        rows = [
+            {
+                "name": p.name,
+                "model": p.model.to_dict(),
+                "max_attention_window": None
+                if p.max_attention_window is None
+                else list(p.max_attention_window),
+                "max_context": p.max_context,
+                "description": p.description,
+                "source": p.source,
+            }
+            for p in presets
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(
+        f"{'name':<16} {'layers':>6} {'kv heads':>8} {'head dim':>8} {'dtype':<9} "
+        f"{'context':>8} {'KV B/token':>11}  windows"
+    )
+    for p in presets:
+        m = p.model
+        per_token = sum(m.bytes_per_token_per_layer())
+        print(
+            f"{p.name:<16} {m.num_layers:>6} {m.num_kv_heads!s:>8} {m.head_dim:>8} "
+            f"{m.dtype:<9} {p.max_context:>8,} {per_token:>11,}  {p.window_pattern_text()}"
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# simulate
+# --------------------------------------------------------------------------------------
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    # Imported late: only this command needs the simulator (and the native module).
+    simulate = importlib.import_module("kvcache.simulate")
+    return int(simulate.run_cli(args))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=_PROG,
+        description="KV cache manager for LLM inference: model presets, memory planning and "
+        "workload simulation for variable sliding window attention (VSWA) models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p_models = sub.add_parser("models", help="list the built-in model presets")
+    p_models.add_argument("--json", action="store_true", help="print JSON")
+    p_models.set_defaults(func=_cmd_models)
+
+    p_plan = sub.add_parser(
+        "plan", help="blocks, tokens and max concurrent sequences per window and share policy"
+    )
+    p_plan.add_argument("--model", required=True, help="preset name or preset JSON file")
+    p_plan.add_argument("--memory", required=True, help="primary KV memory, e.g. 80GiB")
+    p_plan.add_argument(
+        "--max-seq-len",
+        type=_positive_int,
+        default=None,
+        help="sequence length to plan for (default: the model's max context)",
+    )
+    p_plan.add_argument("--tokens-per-block", type=_positive_int, default=32)
+    p_plan.add_argument(
+        "--shares", default=None, help="an extra share list to compare, e.g. 0.2,0.8"
+    )
+    p_plan.add_argument("--json", action="store_true", help="print JSON")
+    p_plan.set_defaults(func=_cmd_plan)
+
+    p_sim = sub.add_parser(
+        "simulate", help="replay a workload through the manager and report pool use"
+    )
+    p_sim.add_argument("--model", default=None, help="preset name (default: gemma-3-12b)")
+    p_sim.add_argument("--memory", default=None, help="primary KV memory (default: 4GiB)")
+    p_sim.add_argument(
+        "--shares", default=None, help="equal | proportional | auto | a,b,... (default: equal)"
+    )
+    p_sim.add_argument("--trace", default=None, help="JSON Lines trace to replay")
+    p_sim.add_argument("--max-batch-size", type=_positive_int, default=None)
+    p_sim.add_argument("--max-seq-len", type=_positive_int, default=None)
+    p_sim.add_argument("--tokens-per-block", type=_positive_int, default=None)
+    p_sim.add_argument(
+        "--scheduler",
+        choices=["guaranteed_no_evict", "max_utilization"],
+        default="max_utilization",
+    )
+    p_sim.add_argument("--num-requests", type=_positive_int, default=None)
+    p_sim.add_argument("--seed", type=_non_negative_int, default=0)
+    p_sim.add_argument("--no-reuse", action="store_true", help="disable block reuse")
+    p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    p_sim.add_argument("--plot", default=None, metavar="FILE.png", help="plot pool use")
+    p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")
+    p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_sim.set_defaults(func=_cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the ``kvcache`` command line and returns the exit status.
+
+    Args:
+        argv: Arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 1 on an error, 2 on a usage mistake.
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args))
+    except SystemExit as e:  # --help and --version
+        return e.code if isinstance(e.code, int) else 0
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except (ValueError, OSError, RuntimeError, KeyError) as e:
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        print(
+            f"{_PROG}: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
