@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.models import ModelPreset, list_models, load_model
 from kvcache.sizing import bytes_per_token, window_sizes

@@ -6,6 +6,7 @@ import logging
 import math
 
 import pytest
+
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.sizing import (
     SHARES_ENV_VAR,
