@@ -101,7 +101,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{5, 0}, 48, {{5, 40}, {48, 50}}, 2, 2},
                       Case{{0}, 32, {{32, 40}}, 8, 0},
                       Case{{16, 16, 32, 0}, 128, {{16, 20}, {32, 30}, {128, 80}}, 16, 3}),
-    [](const ::testing::TestParamInfo<Case>& info) { return "case" + std::to_string(info.index); });
+    [](const ::testing::TestParamInfo<Case>& param) { return "case" + std::to_string(param.index); });
 
 }  // namespace
 }  // namespace kvcache
