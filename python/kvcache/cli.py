@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -193,6 +192,14 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
             file=out,
         )
     print(file=out)
+    smallest = plan["policies"][0].rows[0].window  # rows are in ascending window order
+    print(
+        f"note: these are decode-time figures. A prompt is registered in every window at once,\n"
+        f"      so a {n:,}-token prompt holds {-(-n // plan['tokens_per_block']):,} blocks in "
+        f"window {smallest:,} too until its first generated token.",
+        file=out,
+    )
+    print(file=out)
     print("summary (max concurrent sequences):", file=out)
     for p in plan["policies"]:
         gain = (
@@ -286,9 +293,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    # Imported late: only this command needs the simulator (and the native module).
-    simulate = importlib.import_module("kvcache.simulate")
-    return int(simulate.run_cli(args))
+    from kvcache.simulate import run_cli  # only this command needs the native module
+
+    return run_cli(args)
 
 
 def _positive_int(text: str) -> int:
@@ -345,7 +352,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "simulate", help="replay a workload through the manager and report pool use"
     )
     p_sim.add_argument("--model", default=None, help="preset name (default: gemma-3-12b)")
-    p_sim.add_argument("--memory", default=None, help="primary KV memory (default: 4GiB)")
+    p_sim.add_argument("--memory", default=None, help="primary KV memory (default: 16GiB)")
     p_sim.add_argument(
         "--shares", default=None, help="equal | proportional | auto | a,b,... (default: equal)"
     )
@@ -358,8 +365,19 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["guaranteed_no_evict", "max_utilization"],
         default="max_utilization",
     )
-    p_sim.add_argument("--num-requests", type=_positive_int, default=None)
-    p_sim.add_argument("--seed", type=_non_negative_int, default=0)
+    p_sim.add_argument(
+        "--num-requests",
+        type=_positive_int,
+        default=None,
+        help="conversations in the built-in workload (default 400)",
+    )
+    p_sim.add_argument(
+        "--draft-tokens",
+        type=_non_negative_int,
+        default=0,
+        help="draft tokens per generation step (speculative decoding; default 0)",
+    )
+    p_sim.add_argument("--seed", type=_non_negative_int, default=0, help="workload seed")
     p_sim.add_argument("--no-reuse", action="store_true", help="disable block reuse")
     p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     p_sim.add_argument("--plot", default=None, metavar="FILE.png", help="plot pool use")
