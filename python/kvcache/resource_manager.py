@@ -187,9 +187,9 @@ class Request:
                 f"request {self.request_id}: {len(tokens)} more tokens would exceed "
                 f"max_new_tokens={self.max_new_tokens}"
             )
-        self.generated.extend(int(t) for t in tokens)
         if self.state is RequestState.CONTEXT:
             self.context_position = self.context_len
+        self.generated.extend(int(t) for t in tokens)
         self.state = RequestState.FINISHED if self.is_finished else RequestState.GENERATION
 
 
