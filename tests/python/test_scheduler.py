@@ -1,0 +1,309 @@
+"""Tests for kvcache.scheduler: admission, pausing and long seeded runs on small pools."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcache import KvCacheConfig, ModelConfig
+from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
+from kvcache.scheduler import CapacityScheduler, SchedulerOutput
+
+MODEL = ModelConfig(num_layers=3, num_kv_heads=1, head_dim=8)
+
+
+def make_rm(
+    blocks: dict[int, int],
+    *,
+    tpb: int = 4,
+    pattern: list[int | None] | None = None,
+    max_seq_len: int = 64,
+    max_batch_size: int = 8,
+    max_draft_tokens: int = 0,
+) -> KVCacheResourceManager:
+    config = KvCacheConfig(
+        tokens_per_block=tpb,
+        max_attention_window=pattern if pattern is not None else [8, None],
+        backend="virtual",
+    )
+    return KVCacheResourceManager.from_blocks(
+        MODEL,
+        config,
+        blocks,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        max_draft_tokens=max_draft_tokens,
+    )
+
+
+def ids(requests: list[Request]) -> list[int]:
+    return [r.request_id for r in requests]
+
+
+class Engine:
+    """A minimal engine loop: schedule, prepare, produce tokens, update, free finished."""
+
+    def __init__(
+        self,
+        rm: KVCacheResourceManager,
+        scheduler: CapacityScheduler,
+        *,
+        draft_tokens: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.rm = rm
+        self.scheduler = scheduler
+        self.active: list[Request] = []
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: list[Request] = []
+        self.rejected: list[Request] = []
+        self.paused_events = 0
+        self.draft_tokens = draft_tokens
+        self.rng = random.Random(seed)
+
+    def submit(self, request: Request, output: list[int]) -> None:
+        self.active.append(request)
+        self.outputs[request.request_id] = output
+
+    def step(self) -> SchedulerOutput:
+        for r in self.active:
+            if r.state is RequestState.GENERATION and self.draft_tokens:
+                truth = self.outputs[r.request_id][r.num_generated :]
+                good = self.rng.randint(0, self.draft_tokens)
+                r.draft_tokens = [
+                    truth[j] if j < good and j < len(truth) else 99_999
+                    for j in range(self.draft_tokens)
+                ]
+        out = self.scheduler.schedule(self.active)
+        self.paused_events += len(out.paused)
+        self.rejected += out.rejected
+        batch = out.batch
+        self.rm.prepare_resources(batch)
+        for r in batch.context_requests:
+            r.append_tokens([self.outputs[r.request_id][r.num_generated]])
+        for r, d in batch.generation:
+            g = r.num_generated
+            truth = self.outputs[r.request_id]
+            accepted = 0
+            while accepted < d and r.draft_tokens[accepted] == truth[g + accepted]:
+                accepted += 1
+            r.append_tokens(truth[g : g + accepted + 1])
+            r.rewind_len = d - accepted
+        self.rm.update_resources(batch)
+        for r in batch.context_requests + batch.generation_requests:
+            if r.is_finished:
+                self.rm.free_resources(r)
+                self.finished.append(r)
+        self.active = [
+            r for r in self.active if r.state not in (RequestState.FINISHED, RequestState.FAILED)
+        ]
+        return out
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_guaranteed_no_evict_reserves_until_completion() -> None:
+    rm = make_rm({8: 8, 64: 8})
+    reqs = [Request(i, prompt=[1] * 10, max_new_tokens=10) for i in range(3)]
+    out = CapacityScheduler(rm, "guaranteed_no_evict").schedule(reqs)
+    # each needs ceil(19/4) = 5 full-window blocks before it finishes; 8 hold one
+    assert ids(out.batch.context_requests) == [0]
+    assert ids(out.waiting) == [1, 2]
+    assert out.paused == [] and out.rejected == []
+
+
+def test_max_utilization_admits_by_next_step() -> None:
+    rm = make_rm({8: 8, 64: 8})
+    reqs = [Request(i, prompt=[1] * 10, max_new_tokens=10) for i in range(3)]
+    out = CapacityScheduler(rm, "max_utilization").schedule(reqs)
+    assert ids(out.batch.context_requests) == [0, 1]  # 3 blocks each
+    assert ids(out.waiting) == [2]
+
+
+def test_first_come_first_served_without_overtaking() -> None:
+    rm = make_rm({8: 8, 64: 8})
+    big = Request(0, prompt=[1] * 30, max_new_tokens=2)  # 8 blocks
+    small = Request(1, prompt=[1] * 2, max_new_tokens=2)
+    running = Request(2, prompt=[1] * 2, max_new_tokens=2)
+    sched = CapacityScheduler(rm, "guaranteed_no_evict")
+    first = sched.schedule([running])
+    rm.prepare_resources(first.batch)
+    running.append_tokens([5])
+    out = sched.schedule([running, big, small])
+    assert ids(out.batch.generation_requests) == [2]
+    assert out.batch.context_requests == []
+    assert ids(out.waiting) == [0, 1]  # small waits behind big
+
+
+def test_rejects_requests_that_can_never_fit() -> None:
+    rm = make_rm({8: 4, 64: 6})
+    too_long = Request(0, prompt=[1] * 60, max_new_tokens=10)  # > max_seq_len
+    too_big = Request(1, prompt=[1] * 30, max_new_tokens=1)  # 8 blocks > 6 and > 4
+    ok = Request(2, prompt=[1] * 4, max_new_tokens=4)
+    for policy in ("guaranteed_no_evict", "max_utilization"):
+        for r in (too_long, too_big, ok):
+            r.state = RequestState.WAITING
+        out = CapacityScheduler(rm, policy).schedule([too_long, too_big, ok])
+        assert ids(out.rejected) == [0, 1]
+        assert too_long.state is RequestState.FAILED
+        assert ids(out.batch.context_requests) == [2]
+
+
+def test_batch_size_and_token_limits() -> None:
+    rm = make_rm({8: 64, 64: 64}, max_batch_size=3)
+    reqs = [Request(i, prompt=[1] * 6, max_new_tokens=2) for i in range(5)]
+    out = CapacityScheduler(rm, "max_utilization").schedule(reqs)
+    assert ids(out.batch.context_requests) == [0, 1, 2]
+    out = CapacityScheduler(rm, "max_utilization", max_batch_size=2).schedule(reqs)
+    assert ids(out.batch.context_requests) == [0, 1]
+    out = CapacityScheduler(rm, "max_utilization", max_num_tokens=13).schedule(reqs)
+    assert ids(out.batch.context_requests) == [0, 1]
+    # a prompt above the token budget still runs alone
+    out = CapacityScheduler(rm, "max_utilization", max_num_tokens=4).schedule(reqs)
+    assert ids(out.batch.context_requests) == [0]
+
+
+def test_constructor_errors() -> None:
+    rm = make_rm({8: 8, 64: 8})
+    with pytest.raises(ValueError, match="policy must be one of"):
+        CapacityScheduler(rm, "fcfs")
+    with pytest.raises(ValueError, match=r"max_batch_size must be in 1\.\.8"):
+        CapacityScheduler(rm, max_batch_size=9)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        CapacityScheduler(rm, max_num_tokens=0)
+    assert CapacityScheduler(rm).policy == "guaranteed_no_evict"
+
+
+# ----------------------------------------------------------------------------- pausing
+
+
+def test_max_utilization_pauses_newest_and_resumes_without_loss() -> None:
+    # Full window: 6 blocks of 4 tokens. Two requests of 8-token prompts and 12 new tokens
+    # each need 5 blocks at the end: both start, the newer one is paused when the pool runs
+    # out, and resumes (prompt + generated registered again) once the older one finished.
+    rm = make_rm({8: 6, 64: 6})
+    engine = Engine(rm, CapacityScheduler(rm, "max_utilization"))
+    a = Request(1, prompt=list(range(8)), max_new_tokens=12)
+    b = Request(2, prompt=list(range(100, 108)), max_new_tokens=12)
+    engine.submit(a, list(range(200, 212)))
+    engine.submit(b, list(range(300, 312)))
+    paused_at = None
+    for step in range(100):
+        out = engine.step()
+        rm.manager.check_invariants()
+        if out.paused:
+            assert ids(out.paused) == [2]
+            assert b.state is RequestState.PAUSED
+            assert not rm.has_request(b)
+            paused_at = step
+        if not engine.active:
+            break
+    assert paused_at is not None
+    assert b.num_pauses == 1
+    assert a.generated == list(range(200, 212))
+    assert b.generated == list(range(300, 312))  # nothing lost
+    assert engine.finished == [a, b]
+    assert rm.get_num_free_blocks(64) == 6
+    assert rm.get_num_free_blocks(8) == 6
+
+
+def test_guaranteed_no_evict_never_pauses_on_the_same_workload() -> None:
+    rm = make_rm({8: 6, 64: 6})
+    engine = Engine(rm, CapacityScheduler(rm, "guaranteed_no_evict"))
+    a = Request(1, prompt=list(range(8)), max_new_tokens=12)
+    b = Request(2, prompt=list(range(100, 108)), max_new_tokens=12)
+    engine.submit(a, list(range(200, 212)))
+    engine.submit(b, list(range(300, 312)))
+    while engine.active:
+        engine.step()
+        rm.manager.check_invariants()
+    assert engine.paused_events == 0
+    assert b.generated == list(range(300, 312))
+
+
+# ----------------------------------------------------------------------------- long runs
+
+
+def _long_run(
+    policy: str,
+    *,
+    num_requests: int,
+    seed: int,
+    draft_tokens: int = 0,
+    pattern: list[int | None] | None = None,
+    blocks: dict[int, int] | None = None,
+    tpb: int = 4,
+) -> Engine:
+    rng = random.Random(seed)
+    rm = make_rm(
+        blocks if blocks is not None else {8: 24, 64: 40},
+        tpb=tpb,
+        pattern=pattern,
+        max_batch_size=12,
+        max_draft_tokens=draft_tokens,
+    )
+    engine = Engine(rm, CapacityScheduler(rm, policy), draft_tokens=draft_tokens, seed=seed + 1)
+    next_id = 0
+    steps = 0
+    while next_id < num_requests or engine.active:
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            if next_id < num_requests:
+                # prompts just below, at and above the window (8) and block (4) boundaries
+                p = rng.choice([1, 3, 4, 5, 7, 8, 9, 12, 13, 20, 33])
+                n = rng.randint(1, min(30, 64 - p + 1))
+                engine.submit(
+                    Request(
+                        next_id, prompt=[rng.randrange(50) for _ in range(p)], max_new_tokens=n
+                    ),
+                    [rng.randrange(50) for _ in range(n)],
+                )
+                next_id += 1
+        engine.step()
+        rm.manager.check_invariants()
+        for w in rm.window_sizes:
+            assert 0 <= rm.get_num_free_blocks(w) <= rm.num_primary_blocks(w)
+        steps += 1
+        assert steps < 100_000
+    for w in rm.window_sizes:
+        assert rm.get_num_free_blocks(w) == rm.num_primary_blocks(w)
+    assert rm.manager.num_sequences == 0
+    for r in engine.finished:
+        assert r.generated == engine.outputs[r.request_id]
+    assert len(engine.finished) + len(engine.rejected) == num_requests
+    return engine
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_thousands_of_requests_on_a_small_pool(policy: str) -> None:
+    engine = _long_run(policy, num_requests=2000, seed=7)
+    assert len(engine.finished) == 2000  # every request fits the pool on its own
+    if policy == "guaranteed_no_evict":
+        assert engine.paused_events == 0
+    else:
+        assert engine.paused_events > 0
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_long_run_with_draft_tokens(policy: str) -> None:
+    engine = _long_run(policy, num_requests=600, seed=11, draft_tokens=3)
+    assert len(engine.finished) == 600
+
+
+def test_long_run_three_windows_unaligned() -> None:
+    # windows 5 and 10 are not multiples of the 4-token block
+    engine = _long_run(
+        "max_utilization",
+        num_requests=600,
+        seed=3,
+        pattern=[5, 10, None],
+        blocks={5: 20, 10: 24, 64: 40},
+    )
+    assert len(engine.finished) == 600
+
+
+def test_guaranteed_no_evict_rejects_what_exceeds_the_pool() -> None:
+    engine = _long_run("guaranteed_no_evict", num_requests=300, seed=5, blocks={8: 24, 64: 12})
+    assert engine.rejected  # e.g. 33-token prompts with long outputs need > 12 blocks
+    assert all(r.state is RequestState.FAILED for r in engine.rejected)
