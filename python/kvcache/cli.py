@@ -103,7 +103,7 @@ def make_plan(
     Example:
         >>> plan = make_plan(load_model("gemma-3-27b"), 80 * 2**30, 32768)
         >>> [(p.policy, p.max_sequences) for p in plan["policies"]]
-        [('equal', 16), ('proportional', 25), ('auto', 27)]
+        [('equal', 16), ('proportional', 26), ('auto', 27)]
         >>> plan["full_attention"].max_sequences
         5
     """

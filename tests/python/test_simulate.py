@@ -1,0 +1,258 @@
+"""Tests for kvcache.simulate and ``kvcache simulate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcache.cli import main
+from kvcache.simulate import (
+    TraceRequest,
+    default_workload,
+    format_comparison,
+    read_trace,
+    simulate,
+    write_trace,
+)
+from kvcache.sizing import SHARES_ENV_VAR, TRTLLM_SHARES_ENV_VAR
+
+SMALL = ["--model", "gemma-3-1b", "--memory", "512MiB", "--num-requests", "12"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SHARES_ENV_VAR, raising=False)
+    monkeypatch.delenv(TRTLLM_SHARES_ENV_VAR, raising=False)
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def test_default_workload_is_seeded_and_shaped() -> None:
+    a = default_workload(seed=5, num_conversations=30)
+    assert a == default_workload(seed=5, num_conversations=30)
+    assert a != default_workload(seed=6, num_conversations=30)
+    assert [r.request_id for r in a] == list(range(len(a)))
+    assert [r.arrival for r in a] == sorted(r.arrival for r in a)
+    assert len(a) > 30  # multi-turn
+    for r in a:
+        assert len(r.prompt) + len(r.output) - 1 <= 8192
+        assert 16 <= len(r.output) <= 1500
+        assert all(0 <= t < 32000 for t in r.prompt)
+    # shared system prompts: many requests start with the same 200 tokens
+    heads = {r.prompt[:200] for r in a}
+    assert len(heads) <= 6
+    # a follow-up turn repeats its conversation's history token for token
+    follow = [
+        (x, y)
+        for x in a
+        for y in a
+        if y.arrival > x.arrival
+        and y.prompt[: len(x.prompt) + len(x.output)] == x.prompt + x.output
+    ]
+    assert follow
+
+
+def test_default_workload_respects_max_seq_len() -> None:
+    w = default_workload(seed=2, num_conversations=40, max_seq_len=1500)
+    assert all(len(r.prompt) + len(r.output) - 1 <= 1500 for r in w)
+
+
+def test_trace_round_trip(tmp_path: Path) -> None:
+    reqs = [
+        TraceRequest(5, 0, (1, 2, 3), (4,)),
+        TraceRequest(6, 3, (1, 2), (7, 8), lora_task_id=2, cache_salt="s", priority=80),
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(reqs, path)
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0]) == {
+        "request_id": 5,
+        "arrival": 0,
+        "prompt": [1, 2, 3],
+        "output": [4],
+    }
+    assert json.loads(lines[1])["cache_salt"] == "s"
+    path.write_text(path.read_text() + "\n\n")  # blank lines are skipped
+    assert read_trace(path) == reqs
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", ":1: not valid JSON"),
+        ("[1]", ":1: expected a JSON object"),
+        ('{"request_id": 1, "arrival": 0, "prompt": [1]}', ":1: missing 'output'"),
+        ('{"request_id": "1", "arrival": 0, "prompt": [1], "output": [1]}', "'request_id' must"),
+        ('{"request_id": 1, "arrival": -1, "prompt": [1], "output": [1]}', "'arrival' must"),
+        ('{"request_id": 1, "arrival": 0, "prompt": [], "output": [1]}', "'prompt' must be a non"),
+        ('{"request_id": 1, "arrival": 0, "prompt": [1, -2], "output": [1]}', "holds -2"),
+        ('{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1.5]}', "holds 1.5"),
+        ('{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1], "x": 1}', "unknown key"),
+        (
+            '{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1], "priority": 101}',
+            "'priority' must be an int in 0..100",
+        ),
+        (
+            '{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1], "cache_salt": [1]}',
+            "'cache_salt' must be",
+        ),
+        (
+            '{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1]}\n'
+            '{"request_id": 1, "arrival": 0, "prompt": [1], "output": [1]}',
+            ":2: request_id 1 already used on line 1",
+        ),
+        ("\n\n", "holds no requests"),
+    ],
+)
+def test_trace_errors(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_trace(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_trace_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read trace"):
+        read_trace(tmp_path / "missing.jsonl")
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="not a UTF-8 text file"):
+        read_trace(binary)
+
+
+# ----------------------------------------------------------------------------- simulate
+
+
+def test_simulate_small_run_is_complete_and_deterministic() -> None:
+    trace = default_workload(seed=1, num_conversations=10)
+    kwargs = {"model": "gemma-3-1b", "memory_bytes": 512 * 2**20, "check_invariants": True}
+    a = simulate(trace, **kwargs)  # type: ignore[arg-type]
+    b = simulate(trace, **kwargs)  # type: ignore[arg-type]
+    assert a.completed == len(trace)
+    assert a.rejected == 0
+    assert a.generated_tokens == sum(len(t.output) for t in trace)
+    assert a.context_tokens >= sum(len(t.prompt) for t in trace)
+    assert [w.window for w in a.windows] == [512, a.max_seq_len]
+    assert a.windows[0].layers == 22 and a.windows[1].layers == 4
+    assert a.shares == "equal"
+    assert a.cache_hit_rate is None or 0.0 <= a.cache_hit_rate <= 1.0
+    for w in a.windows:
+        assert 0 < w.peak_used_blocks <= w.blocks
+    timing = {"wall_seconds", "manager_us_per_step", "manager_us_p99", "scheduler_us_per_step"}
+    da, db = a.to_dict(), b.to_dict()
+    for key in timing:
+        da.pop(key)
+        db.pop(key)
+    assert da == db
+    assert set(a.series) == {"step", "running", "waiting", "used_512", f"used_{a.max_seq_len}"}
+    assert len(a.series["step"]) == a.steps
+
+
+def test_simulate_guaranteed_and_drafts() -> None:
+    trace = default_workload(seed=4, num_conversations=8)
+    g = simulate(
+        trace,
+        model="gemma-3-1b",
+        memory_bytes=256 * 2**20,
+        scheduler="guaranteed_no_evict",
+        draft_tokens=3,
+        check_invariants=True,
+    )
+    assert g.pause_events == 0
+    assert g.completed == len(trace)
+    assert g.generated_tokens == sum(len(t.output) for t in trace)
+    assert g.steps < sum(len(t.output) for t in trace)  # drafts save steps
+
+
+def test_simulate_rejects_requests_longer_than_max_seq_len() -> None:
+    trace = [TraceRequest(1, 0, (1,) * 50, (2,) * 10), TraceRequest(2, 0, (1,) * 5, (2,) * 5)]
+    r = simulate(trace, model="gemma-3-1b", memory_bytes=16 * 2**20, max_seq_len=32)
+    assert (r.completed, r.rejected) == (1, 1)
+
+
+def test_format_comparison_columns() -> None:
+    trace = default_workload(seed=1, num_conversations=4)
+    reps = [
+        simulate(trace, model="gemma-3-1b", memory_bytes=512 * 2**20, shares=s)
+        for s in ("equal", "auto")
+    ]
+    text = format_comparison(reps)
+    assert text.splitlines()[2].split() == ["shares", "equal", "auto"]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_simulate_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "r.json"
+    out_png = tmp_path / "r.png"
+    argv = ["simulate", *SMALL, "--json", str(out_json), "--plot", str(out_png)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("kvcache simulate: gemma-3-1b, 512 MiB primary KV memory, equal")
+    for label in ("requests", "engine steps", "concurrency", "paused", "manager time/step"):
+        assert f"  {label}" in text
+    data = json.loads(out_json.read_text())
+    assert data["model"] == "gemma-3-1b"
+    assert data["completed"] == data["requests"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_simulate_trace_and_shares(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(default_workload(seed=9, num_conversations=5), trace)
+    argv = ["simulate", "--model", "gemma-3-1b", "--memory", "512MiB", "--trace", str(trace)]
+    assert main([*argv, "--shares", "0.3,0.7"]) == 0
+    assert "0.3,0.7 window shares" in capsys.readouterr().out
+    assert (
+        main([*argv, "--compare-shares", "--shares", "1,3", "--json", str(tmp_path / "c.json")])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["shares", "equal", "proportional", "auto", "1,3"]
+    assert len(json.loads((tmp_path / "c.json").read_text())) == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--memory", "lots"], "invalid size 'lots'"),
+        (["--shares", "1,2,3"], "gives 3 share(s) but the model has 2 window(s)"),
+        (["--memory", "1KiB"], "memory budget too small"),
+        (["--scheduler", "fifo"], "invalid choice: 'fifo'"),
+    ],
+)
+def test_cli_simulate_errors(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main(["simulate", *SMALL, *extra]) != 0
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert message in err
+
+
+def test_cli_simulate_bad_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"request_id": 1, "arrival": 0, "prompt": [1], "output": [2]}\nnot json\n')
+    assert main(["simulate", "--trace", str(trace)]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"kvcache: error: {trace}:2: not valid JSON (Expecting value)"]
+    assert main(["simulate", "--trace", str(tmp_path / "none.jsonl")]) == 1
+    assert "cannot read trace" in capsys.readouterr().err
+
+
+def test_cli_simulate_default_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """The documented default: built-in workload, gemma-3-12b, 16 GiB, virtual backend."""
+    assert main(["simulate"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(
+        "kvcache simulate: gemma-3-12b, 16.0 GiB primary KV memory, equal window shares, "
+        "max_utilization scheduling, virtual backend"
+    )
+    assert "  requests            1,003 (1,003 completed)" in text
