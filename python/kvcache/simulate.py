@@ -41,7 +41,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.models import ModelPreset, load_model
 from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
 from kvcache.scheduler import CapacityScheduler
-from kvcache.sizing import format_size, parse_size, resolve_share_policy
+from kvcache.sizing import blocks_per_window, format_size, parse_size, resolve_share_policy
 
 __all__ = [
     "DEFAULT_MEMORY",
@@ -472,6 +472,7 @@ def simulate(
     tokens_per_block: int = 32,
     max_num_tokens: int | None = 8192,
     enable_block_reuse: bool = True,
+    expected_seq_len: int | None = None,
     draft_tokens: int = 0,
     draft_acceptance: float = 0.6,
     seed: int = 0,
@@ -492,6 +493,8 @@ def simulate(
         tokens_per_block: Block size.
         max_num_tokens: Token budget per step for admitting prompts (``None``: unlimited).
         enable_block_reuse: Passed to the config (the manager reuses once it supports it).
+        expected_seq_len: Typical sequence length for the ``"auto"`` share policy
+            (default: the workload's mean prompt + output length).
         draft_tokens: Draft tokens proposed per generation step (speculative decoding).
         draft_acceptance: Probability that each successive draft token is accepted.
         seed: Seeds the draft acceptance.
@@ -518,12 +521,20 @@ def simulate(
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
     share_text = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
-    manager = KVCacheManager(
+    expected: int | None = None
+    if policy == "auto":
+        # "auto" balances windows for a typical sequence: take the workload's mean length.
+        expected = expected_seq_len or round(
+            sum(min(len(t.prompt) + len(t.output) - 1, seq_len) for t in trace) / len(trace)
+        )
+        share_text = f"auto(L={expected})"
+    blocks = blocks_per_window(preset.model, config, seq_len, memory, expected_seq_len=expected)
+    manager = KVCacheManager.from_blocks(
         preset.model,
         config,
+        blocks,
         max_seq_len=seq_len,
         max_batch_size=max_batch_size,
-        primary_bytes=memory,
         max_draft_tokens=draft_tokens,
     )
     rm = KVCacheResourceManager(manager)

@@ -169,6 +169,17 @@ def test_simulate_guaranteed_and_drafts() -> None:
     assert g.steps < sum(len(t.output) for t in trace)  # drafts save steps
 
 
+def test_simulate_auto_shares_use_expected_length() -> None:
+    trace = default_workload(seed=1, num_conversations=4)
+    r = simulate(
+        trace, model="gemma-3-1b", memory_bytes=512 * 2**20, shares="auto", expected_seq_len=600
+    )
+    assert r.shares == "auto(L=600)"
+    # sliding 512 + 32 tokens x 22 layers vs 600 tokens x 4 layers of 1024 B per token
+    share = (544 * 22) / (544 * 22 + 600 * 4)
+    assert r.windows[0].blocks == int(512 * 2**20 * share // (22 * 1024 * 32))
+
+
 def test_simulate_rejects_requests_longer_than_max_seq_len() -> None:
     trace = [TraceRequest(1, 0, (1,) * 50, (2,) * 10), TraceRequest(2, 0, (1,) * 5, (2,) * 5)]
     r = simulate(trace, model="gemma-3-1b", memory_bytes=16 * 2**20, max_seq_len=32)
@@ -182,7 +193,8 @@ def test_format_comparison_columns() -> None:
         for s in ("equal", "auto")
     ]
     text = format_comparison(reps)
-    assert text.splitlines()[2].split() == ["shares", "equal", "auto"]
+    mean_len = round(sum(len(t.prompt) + len(t.output) - 1 for t in trace) / len(trace))
+    assert text.splitlines()[2].split() == ["shares", "equal", f"auto(L={mean_len})"]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -214,7 +226,9 @@ def test_cli_simulate_trace_and_shares(tmp_path: Path, capsys: pytest.CaptureFix
         == 0
     )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["shares", "equal", "proportional", "auto", "1,3"]
+    assert lines[2].split()[:3] == ["shares", "equal", "proportional"]
+    assert lines[2].split()[3].startswith("auto(L=")  # auto uses the workload's mean length
+    assert lines[2].split()[4] == "1,3"
     assert len(json.loads((tmp_path / "c.json").read_text())) == 4
 
 
