@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -408,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as e:
         print(e, file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `kvcache models | head`: stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except (ValueError, OSError, RuntimeError, KeyError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         print(
