@@ -23,27 +23,43 @@ from kvcache.manager import (
     available_memory_bytes,
     cuda_available,
 )
-from kvcache.sizing import blocks_per_window, bytes_per_token, window_size_shares, window_sizes
+from kvcache.models import list_models, load_model
+from kvcache.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
+from kvcache.scheduler import CapacityScheduler
+from kvcache.sizing import (
+    blocks_per_window,
+    bytes_per_token,
+    parse_size,
+    window_size_shares,
+    window_sizes,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NULL_BLOCK",
     "OFFSET_SENTINEL",
+    "CapacityScheduler",
     "CudaError",
     "DeviceOOMError",
     "InternalError",
     "KVCacheError",
     "KVCacheManager",
+    "KVCacheResourceManager",
     "KvCacheConfig",
     "KvCacheStats",
     "ModelConfig",
     "OutOfBlocksError",
+    "Request",
+    "ScheduledBatch",
     "__version__",
     "available_memory_bytes",
     "blocks_per_window",
     "bytes_per_token",
     "cuda_available",
+    "list_models",
+    "load_model",
+    "parse_size",
     "window_size_shares",
     "window_sizes",
 ]
