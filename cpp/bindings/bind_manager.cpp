@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -241,6 +242,65 @@ pybind11::object NumpyLayerView(const LayerView& v, const pybind11::object& owne
   return pybind11::array(pybind11::dtype(fmt), shape, strides, v.data, owner);
 }
 
+ReuseExtras MakeExtras(std::optional<std::int64_t> lora_task_id, std::optional<std::uint64_t> cache_salt,
+                       const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+  ReuseExtras extras;
+  extras.lora_task_id = lora_task_id;
+  extras.cache_salt = cache_salt;
+  for (const auto& [hash, start, length] : multimodal) extras.multimodal.push_back(MultimodalItem{hash, start, length});
+  return extras;
+}
+
+const char* EventKindName(EventKind kind) {
+  switch (kind) {
+    case EventKind::kCreated:
+      return "created";
+    case EventKind::kStored:
+      return "stored";
+    case EventKind::kRemoved:
+      return "removed";
+    case EventKind::kUpdated:
+      return "updated";
+  }
+  return "?";
+}
+
+pybind11::dict EventToDict(const KVCacheEvent& e) {
+  pybind11::dict d;
+  d["event_id"] = e.event_id;
+  d["window_size"] = e.window_size;
+  d["kind"] = EventKindName(e.kind);
+  switch (e.kind) {
+    case EventKind::kCreated:
+      d["num_blocks_per_cache_level"] = pybind11::make_tuple(e.num_primary_blocks, e.num_secondary_blocks);
+      break;
+    case EventKind::kStored: {
+      d["parent_hash"] = e.parent_hash.has_value() ? pybind11::cast(*e.parent_hash) : pybind11::none();
+      pybind11::list blocks;
+      for (const auto& b : e.blocks) {
+        pybind11::dict bd;
+        bd["block_hash"] = b.hash;
+        bd["tokens"] = b.tokens;
+        bd["lora_task_id"] = b.lora_task_id.has_value() ? pybind11::cast(*b.lora_task_id) : pybind11::none();
+        bd["cache_level"] = b.cache_level;
+        bd["priority"] = b.priority;
+        blocks.append(bd);
+      }
+      d["blocks"] = blocks;
+      break;
+    }
+    case EventKind::kRemoved:
+      d["block_hashes"] = e.hashes;
+      break;
+    case EventKind::kUpdated:
+      d["block_hash"] = e.hash;
+      d["cache_level"] = e.cache_level.has_value() ? pybind11::cast(*e.cache_level) : pybind11::none();
+      d["priority"] = e.priority.has_value() ? pybind11::cast(*e.priority) : pybind11::none();
+      break;
+  }
+  return d;
+}
+
 pybind11::dict StatsToDict(const KvCacheStats& s) {
   pybind11::dict d;
   d["max_num_blocks"] = s.max_num_blocks;
@@ -256,6 +316,9 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["allocated_bytes"] = s.allocated_bytes;
   d["offloaded_blocks"] = s.offloaded_blocks;
   d["onboarded_blocks"] = s.onboarded_blocks;
+  d["reused_blocks_per_window_size"] = s.reused_blocks_per_window_size;
+  d["missed_blocks_per_window_size"] = s.missed_blocks_per_window_size;
+  d["num_cached_nodes"] = s.num_cached_nodes;
   return d;
 }
 
@@ -282,7 +345,10 @@ void BindManager(pybind11::module_& m) {
                              std::vector<std::int32_t> max_attention_window, std::int32_t max_seq_len,
                              std::int32_t max_batch_size,
                              const std::map<WindowSize, std::pair<std::int32_t, std::int32_t>>& blocks_per_window,
-                             const std::string& backend, std::int32_t max_draft_tokens) {
+                             const std::string& backend, std::int32_t max_draft_tokens, bool enable_block_reuse,
+                             bool enable_partial_reuse, bool copy_on_partial_reuse, bool onboard_blocks,
+                             int secondary_offload_min_priority, std::size_t event_buffer_max_size,
+                             const std::string& swa_reuse_policy) {
              ModelSpec model;
              model.num_layers = num_layers;
              model.num_kv_heads = std::move(num_kv_heads);
@@ -299,13 +365,30 @@ void BindManager(pybind11::module_& m) {
              }
              config.backend = ParseBackendKind(backend);
              config.max_draft_tokens = max_draft_tokens;
+             config.enable_block_reuse = enable_block_reuse;
+             config.enable_partial_reuse = enable_partial_reuse;
+             config.copy_on_partial_reuse = copy_on_partial_reuse;
+             config.onboard_blocks = onboard_blocks;
+             config.secondary_offload_min_priority = secondary_offload_min_priority;
+             config.event_buffer_max_size = event_buffer_max_size;
+             if (swa_reuse_policy == "invalidate") {
+               config.swa_reuse_policy = SwaReusePolicy::kInvalidate;
+             } else if (swa_reuse_policy == "placeholder") {
+               config.swa_reuse_policy = SwaReusePolicy::kPlaceholder;
+             } else {
+               ThrowInvalid("swa_reuse_policy must be 'invalidate' or 'placeholder', got '", swa_reuse_policy, "'");
+             }
              pybind11::gil_scoped_release release;
              return std::make_unique<M>(model, config);
            }),
            pybind11::kw_only(), pybind11::arg("num_layers"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("dtype"), pybind11::arg("kv_factor"), pybind11::arg("tokens_per_block"),
            pybind11::arg("max_attention_window"), pybind11::arg("max_seq_len"), pybind11::arg("max_batch_size"),
-           pybind11::arg("blocks_per_window"), pybind11::arg("backend"), pybind11::arg("max_draft_tokens") = 0)
+           pybind11::arg("blocks_per_window"), pybind11::arg("backend"), pybind11::arg("max_draft_tokens") = 0,
+           pybind11::arg("enable_block_reuse") = false, pybind11::arg("enable_partial_reuse") = true,
+           pybind11::arg("copy_on_partial_reuse") = true, pybind11::arg("onboard_blocks") = true,
+           pybind11::arg("secondary_offload_min_priority") = 30, pybind11::arg("event_buffer_max_size") = 0,
+           pybind11::arg("swa_reuse_policy") = "invalidate")
       .def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)
       .def_property_readonly("max_seq_len", &M::max_seq_len)
@@ -345,14 +428,94 @@ void BindManager(pybind11::module_& m) {
           "One dict per pool in global order (ascending window, then KV-head count).")
       .def(
           "_add_sequence",
-          [](M& self, SeqId id, const pybind11::handle& tokens, std::optional<int> priority) {
+          [](M& self, SeqId id, const pybind11::handle& tokens, std::optional<int> priority,
+             std::optional<std::int64_t> lora_task_id, std::optional<std::uint64_t> cache_salt,
+             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal,
+             const std::vector<std::tuple<std::int32_t, std::int32_t, int, std::int64_t>>& priority_ranges,
+             std::optional<int> decode_priority, std::int64_t decode_duration_ms) {
             std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
             opts.priority = priority;
+            opts.extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            for (const auto& [start, end, prio, duration] : priority_ranges) {
+              opts.priority_ranges.push_back(PriorityRange{start, end, prio, duration});
+            }
+            opts.decode_priority = decode_priority;
+            opts.decode_duration_ms = decode_duration_ms;
             pybind11::gil_scoped_release release;
             return self.AddSequence(id, toks.data(), toks.size(), opts);
           },
-          pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none())
+          pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none(),
+          pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
+          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{},
+          pybind11::arg("priority_ranges") = std::vector<std::tuple<std::int32_t, std::int32_t, int, std::int64_t>>{},
+          pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0)
+      .def(
+          "_get_reusable_prefix_length",
+          [](const M& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
+             std::optional<std::uint64_t> cache_salt,
+             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            pybind11::gil_scoped_release release;
+            return self.GetReusablePrefixLength(toks.data(), toks.size(), extras);
+          },
+          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
+          pybind11::arg("cache_salt") = pybind11::none(),
+          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
+      .def(
+          "_get_num_blocks_to_allocate",
+          [](const M& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
+             std::optional<std::uint64_t> cache_salt,
+             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            pybind11::gil_scoped_release release;
+            return self.GetNumBlocksToAllocate(toks.data(), toks.size(), extras);
+          },
+          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
+          pybind11::arg("cache_salt") = pybind11::none(),
+          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
+      .def("store_context_blocks", &M::StoreContextBlocks, pybind11::arg("request_id"),
+           pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")
+      .def("pin_blocks", &M::PinBlocks, pybind11::arg("request_id"),
+           "Stores the sequence's full blocks and keeps them from eviction in every window.")
+      .def("unpin_blocks_by_id", &M::UnpinBlocksById, pybind11::arg("block_ids"),
+           pybind11::arg("window_size") = pybind11::none(),
+           "Unpins the stored chains ending at these blocks (of window_size; default: the full-attention "
+           "window, unpinning every window).")
+      .def("refresh_blocks", &M::RefreshBlocks, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "Once per engine step: expired timed priorities return to the default; pending copies complete.")
+      .def("is_sequence_valid_for_reuse", &M::IsSequenceValidForReuse, pybind11::arg("request_id"))
+      .def(
+          "get_request_stats",
+          [](const M& self, SeqId id) {
+            const RequestStats r = self.GetRequestStats(id);
+            pybind11::dict d;
+            d["reused_tokens"] = r.reused_tokens;
+            d["reused_blocks"] = r.reused_blocks;
+            d["missed_blocks"] = r.missed_blocks;
+            d["new_blocks"] = r.new_blocks;
+            return d;
+          },
+          pybind11::arg("request_id"), "Per-request reuse counters, summed over windows.")
+      .def(
+          "_latest_events",
+          [](M& self, std::int64_t timeout_ms) {
+            std::vector<KVCacheEvent> events;
+            {
+              pybind11::gil_scoped_release release;
+              events = self.GetLatestEvents(timeout_ms);
+            }
+            pybind11::list out;
+            for (const auto& e : events) out.append(EventToDict(e));
+            return out;
+          },
+          pybind11::arg("timeout_ms") = 0)
+      .def_property_readonly("reuse_enabled", &M::reuse_enabled)
+      .def("_set_fake_time_ms", &M::SetFakeTimeMs, pybind11::arg("now_ms"),
+           "Test hook: a fixed clock for timed priorities (negative: the real clock).")
       .def(
           "add_token",
           [](M& self, SeqId id, std::int64_t token) {

@@ -1,6 +1,7 @@
 #include "kvcache/kv_cache_manager.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <string>
@@ -69,6 +70,15 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     if (counts.secondary < 0) ThrowInvalid("window ", w, " has a negative secondary block count");
   }
 
+  reuse_ = config.enable_block_reuse;
+  partial_reuse_ = config.enable_partial_reuse;
+  copy_on_partial_ = config.copy_on_partial_reuse;
+  swa_policy_ = config.swa_reuse_policy;
+  if (config.secondary_offload_min_priority < kMinPriority || config.secondary_offload_min_priority > kMaxPriority) {
+    ThrowInvalid("secondary_offload_min_priority must be in 0..100, got ", config.secondary_offload_min_priority);
+  }
+  if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
+  tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
   const int elem_bytes = DTypeBytes(model.dtype);
   layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
@@ -98,8 +108,23 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       pools.push_back(std::move(kv.second));
     }
     const WindowBlocks counts = config.blocks_per_window.at(window);
-    windows_.push_back(std::make_unique<WindowBlockManager>(window, window < max_seq_len_, std::move(pools),
-                                                            counts.primary, counts.secondary, backend_.get()));
+    const bool swa = window < max_seq_len_;
+    WindowReuseOptions options;
+    options.cascade_on_evict = !swa || swa_policy_ == SwaReusePolicy::kInvalidate;
+    options.onboard_blocks = config.onboard_blocks;
+    options.secondary_offload_min_priority = config.secondary_offload_min_priority;
+    windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
+                                                            counts.primary, counts.secondary, backend_.get(),
+                                                            tree_.get(), options, events_.get()));
+    pins_.emplace_back(static_cast<std::size_t>(counts.primary + counts.secondary), 0);
+    if (events_) {
+      KVCacheEvent e;
+      e.kind = EventKind::kCreated;
+      e.window_size = window;
+      e.num_primary_blocks = counts.primary;
+      e.num_secondary_blocks = counts.secondary;
+      events_->Push(std::move(e));
+    }
   }
   counters_.assign(windows_.size(), WindowCounters{});
 }
@@ -165,10 +190,85 @@ void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w) {
   const std::int32_t target = ReleaseTarget(w, seq.num_tokens);
   while (sw.front_null < target) {
     BlockId& slot = sw.blocks[static_cast<std::size_t>(sw.front_null)];
-    windows_[w]->Release(slot);
+    sw.released.emplace_back(slot, windows_[w]->Generation(slot));
+    windows_[w]->Release(slot, /*to_front=*/false, /*out_of_window=*/true);
     slot = kNullBlock;
     ++sw.front_null;
   }
+}
+
+std::int64_t KVCacheManager::NowMs() const {
+  if (fake_now_ms_ >= 0) return fake_now_ms_;
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void KVCacheManager::SetFakeTimeMs(std::int64_t now_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fake_now_ms_ = now_ms;
+}
+
+std::pair<int, std::int64_t> KVCacheManager::BlockPriority(const Sequence& seq, std::int32_t j) const {
+  const std::int64_t first = static_cast<std::int64_t>(j) * tpb_;
+  std::int64_t duration = 0;
+  int priority = seq.priority;
+  if (first < seq.prompt_len) {
+    for (const PriorityRange& r : seq.priority_ranges) {
+      if (first >= r.start && (r.end < 0 || first < r.end)) {
+        priority = r.priority;
+        duration = r.duration_ms;
+        break;
+      }
+    }
+  } else if (seq.decode_priority.has_value()) {
+    priority = *seq.decode_priority;
+    duration = seq.decode_duration_ms;
+  }
+  return {priority, duration > 0 ? NowMs() + duration : 0};
+}
+
+void KVCacheManager::InvalidateIfLive(SeqId displaced) {
+  if (displaced < 0) return;
+  auto it = sequences_.find(displaced);
+  if (it != sequences_.end()) it->second.valid_for_reuse = false;
+}
+
+BlockId KVCacheManager::AcquireFor(std::size_t w, const Sequence& seq, std::int32_t position) {
+  const auto [priority, expiry] = BlockPriority(seq, position);
+  SeqId displaced = -1;
+  const BlockId b = windows_[w]->Acquire(seq.id, priority, expiry, &displaced);
+  if (displaced != seq.id) InvalidateIfLive(displaced);
+  return b;
+}
+
+std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
+                                                            std::vector<std::int32_t>* front) const {
+  std::vector<std::int32_t> need(windows_.size(), 0);
+  front->assign(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const WindowBlockManager& wm = *windows_[w];
+    std::int32_t& f = (*front)[w];
+    if (wm.is_swa()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
+    KVC_CHECK(f <= plan.full_blocks, "reuse plan: released front past the matched blocks");
+    need[w] = num_blocks - plan.full_blocks;  // the partial block (taken over or copied) and fresh ones
+    for (std::int32_t i = f; i < plan.full_blocks; ++i) {
+      const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
+      if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
+    }
+  }
+  return need;
+}
+
+std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
+                                                                          const ReuseExtras& extras) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n == 0) ThrowInvalid("the prompt is empty");
+  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras) : ReusePlan{};
+  std::vector<std::int32_t> front;
+  const auto need = PromptBlocksNeeded(plan, CeilDiv(static_cast<std::int64_t>(n), tpb_), &front);
+  std::map<WindowSize, std::int32_t> out;
+  for (std::size_t w = 0; w < windows_.size(); ++w) out[window_sizes_[w]] = need[w];
+  return out;
 }
 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
@@ -182,20 +282,40 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   for (std::size_t i = 0; i < n; ++i) {
     if (tokens[i] < 0) ThrowInvalid("request ", id, ": token ", i, " is negative (", tokens[i], ")");
   }
+  auto check_priority = [id](const char* what, int p) {
+    if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
+  };
   const int priority = options.priority.value_or(kDefaultPriority);
-  if (priority < kMinPriority || priority > kMaxPriority) {
-    ThrowInvalid("request ", id, ": priority must be in 0..100, got ", priority);
+  check_priority("priority", priority);
+  if (options.decode_priority.has_value()) check_priority("decode_priority", *options.decode_priority);
+  if (options.decode_duration_ms < 0) ThrowInvalid("request ", id, ": decode_duration_ms must be >= 0");
+  for (const PriorityRange& r : options.priority_ranges) {
+    check_priority("a priority range's priority", r.priority);
+    if (r.start < 0 || (r.end >= 0 && r.end <= r.start) || r.duration_ms < 0) {
+      ThrowInvalid("request ", id, ": bad priority range [", r.start, ", ", r.end, ")");
+    }
+  }
+  for (const MultimodalItem& item : options.extras.multimodal) {
+    if (item.start < 0 || item.length < 0) {
+      ThrowInvalid("request ", id, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
+    }
   }
   if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
     throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
                                       ") sequences are already registered"));
   }
   const std::int32_t num_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
+  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, options.extras) : ReusePlan{};
+  const std::int32_t reused = plan.reused_tokens;
+  const std::int32_t full = plan.full_blocks;
+  const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
+  std::vector<std::int32_t> front;
+  const std::vector<std::int32_t> need = PromptBlocksNeeded(plan, num_blocks, &front);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (windows_[w]->NumFreePrimary() < num_blocks) {
-      throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", num_blocks,
-                                            " blocks for a ", n, "-token prompt but has ",
-                                            windows_[w]->NumFreePrimary(), " free"));
+    if (windows_[w]->NumFreePrimary() < need[w]) {
+      throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
+                                            " blocks for a ", n, "-token prompt (", reused,
+                                            " tokens reused) but has ", windows_[w]->NumFreePrimary(), " free"));
     }
   }
   Sequence& seq = sequences_[id];
@@ -203,16 +323,77 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   seq.num_tokens = static_cast<std::int32_t>(n);
   seq.prompt_len = seq.num_tokens;
   seq.priority = priority;
+  seq.explicit_priority = options.priority.has_value() || !options.priority_ranges.empty();
+  seq.priority_ranges = options.priority_ranges;
+  seq.decode_priority = options.decode_priority;
+  seq.decode_duration_ms = options.decode_duration_ms;
+  seq.extras = options.extras;
   seq.tokens.assign(tokens, tokens + n);
   seq.windows.resize(windows_.size());
+  seq.reused_tokens = reused;
+  // Claim everything the plan reuses before taking any free block, so that no eviction can
+  // pick a block this sequence is about to use.
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    auto& blocks = seq.windows[w].blocks;
-    blocks.reserve(static_cast<std::size_t>(num_blocks));
-    for (std::int32_t i = 0; i < num_blocks; ++i) blocks.push_back(windows_[w]->Acquire(id));
-    counters_[w].alloc_total += num_blocks;
-    counters_[w].alloc_new += num_blocks;
+    WindowBlockManager& wm = *windows_[w];
+    SequenceWindow& sw = seq.windows[w];
+    sw.blocks.assign(static_cast<std::size_t>(num_blocks), kNullBlock);
+    sw.front_null = front[w];
+    sw.released.assign(static_cast<std::size_t>(front[w]), {kNullBlock, 0});
+    for (std::int32_t i = front[w]; i < full; ++i) {
+      const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
+      wm.Claim(b);
+      sw.blocks[static_cast<std::size_t>(i)] = b;
+    }
+    if (has_partial) wm.Claim(plan.partial_src[w]);
   }
-  return 0;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (has_partial && plan.partial_takeover[w]) windows_[w]->Drop(plan.partial_src[w]);  // now private
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    WindowBlockManager& wm = *windows_[w];
+    SequenceWindow& sw = seq.windows[w];
+    std::int64_t fresh = 0;
+    for (std::int32_t i = front[w]; i < full; ++i) {
+      BlockId& b = sw.blocks[static_cast<std::size_t>(i)];
+      const auto [prio, expiry] = BlockPriority(seq, i);
+      if (!wm.IsPrimary(b)) {
+        SeqId displaced = -1;
+        b = wm.Onboard(b, id, prio, expiry, &displaced);
+        InvalidateIfLive(displaced);
+        ++fresh;
+      } else if (seq.explicit_priority) {
+        wm.SetPriority(b, prio, expiry);
+      }
+    }
+    if (has_partial) {
+      const BlockId src = plan.partial_src[w];
+      BlockId& slot = sw.blocks[static_cast<std::size_t>(full)];
+      if (plan.partial_takeover[w]) {
+        slot = src;
+        const auto [prio, expiry] = BlockPriority(seq, full);
+        wm.SetPriority(src, prio, expiry);
+      } else {
+        slot = AcquireFor(w, seq, full);
+        wm.CopyTokens(slot, src, plan.partial_tokens);
+        wm.Release(src);
+        ++fresh;
+      }
+    }
+    for (std::int32_t i = full + has_partial; i < num_blocks; ++i) {
+      sw.blocks[static_cast<std::size_t>(i)] = AcquireFor(w, seq, i);
+      ++fresh;
+    }
+    const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
+    const std::int64_t missed_w = reuse_ ? num_blocks - reused_w : 0;
+    counters_[w].alloc_total += num_blocks - front[w];
+    counters_[w].alloc_new += fresh;
+    counters_[w].reused += reused_w;
+    counters_[w].missed += missed_w;
+    seq.reused_blocks += reused_w;
+    seq.missed_blocks += missed_w;
+    seq.new_blocks += fresh;
+  }
+  return reused;
 }
 
 void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 1); }
@@ -276,7 +457,9 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   if (need == 0) return;
   for (Sequence* seq : batch_) {
     if ((seq->num_tokens - 1) % tpb_ != 0) continue;
-    for (std::size_t w = 0; w < windows_.size(); ++w) seq->windows[w].blocks.push_back(windows_[w]->Acquire(seq->id));
+    const auto position = static_cast<std::int32_t>(seq->windows[0].blocks.size());
+    for (std::size_t w = 0; w < windows_.size(); ++w) seq->windows[w].blocks.push_back(AcquireFor(w, *seq, position));
+    seq->new_blocks += static_cast<std::int64_t>(windows_.size());
   }
   for (auto& c : counters_) {
     c.alloc_total += need;
@@ -284,11 +467,14 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   }
 }
 
-void KVCacheManager::RemoveSequence(SeqId id, bool /*store_for_reuse*/, bool /*pin*/) {
+void KVCacheManager::RemoveSequence(SeqId id, bool store_for_reuse, bool pin) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) throw UnknownSequenceError(id);
   Sequence& seq = it->second;
+  if (reuse_ && store_for_reuse && (seq.valid_for_reuse || swa_policy_ == SwaReusePolicy::kPlaceholder)) {
+    StoreChain(seq, seq.num_tokens - 1, /*full_only=*/false, pin);
+  }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& sw = seq.windows[w];
     // Newest first: a sequence's tail is the least shareable part and is evicted first.
@@ -316,11 +502,35 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
     }
   }
   const auto keep = static_cast<std::size_t>(CeilDiv(new_len, tpb_));
+  const std::int32_t tail_tokens = new_len % tpb_;
+  // The block that will be written again must be private: a cached or shared one is copied.
+  std::vector<char> copy(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const WindowBlockManager& wm = *windows_[w];
+    const auto& blocks = seq.windows[w].blocks;
+    if (tail_tokens == 0) continue;
+    const BlockId last = blocks[keep - 1];
+    if (wm.NodeOf(last) == kNoNode && wm.RefCount(last) == 1) continue;
+    copy[w] = 1;
+    std::int32_t available = wm.NumFreePrimary();
+    for (std::size_t j = keep; j < blocks.size(); ++j) available += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
+    if (available < 1) {
+      throw OutOfBlocksError(detail::Concat("rewind: request ", id, " needs a private copy of a shared block in window ",
+                                            window_sizes_[w], " but no block is free"));
+    }
+  }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& blocks = seq.windows[w].blocks;
     while (blocks.size() > keep) {
       windows_[w]->Release(blocks.back(), /*to_front=*/true);
       blocks.pop_back();
+    }
+    if (copy[w]) {
+      const BlockId shared = blocks[keep - 1];
+      const BlockId own = AcquireFor(w, seq, static_cast<std::int32_t>(keep - 1));
+      windows_[w]->CopyTokens(own, shared, tail_tokens);
+      windows_[w]->Release(shared);
+      blocks[keep - 1] = own;
     }
   }
   seq.tokens.resize(static_cast<std::size_t>(new_len));
@@ -434,7 +644,12 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.alloc_new_blocks += counters_[w].alloc_new;
     s.reused_blocks += counters_[w].reused;
     s.missed_blocks += counters_[w].missed;
+    s.reused_blocks_per_window_size[wm.window()] = counters_[w].reused;
+    s.missed_blocks_per_window_size[wm.window()] = counters_[w].missed;
+    s.offloaded_blocks += wm.offloaded_blocks();
+    s.onboarded_blocks += wm.onboarded_blocks();
   }
+  s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
   s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
   const auto lookups = s.reused_blocks + s.missed_blocks;
   s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
@@ -445,7 +660,7 @@ void KVCacheManager::CheckInvariants() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::vector<std::int32_t>> refs(windows_.size());
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    refs[w].assign(static_cast<std::size_t>(windows_[w]->num_primary() + windows_[w]->num_secondary()), 0);
+    refs[w] = pins_[w];  // pins hold references too
   }
   for (const auto& [id, seq] : sequences_) {
     KVC_CHECK(seq.id == id, "sequence id mismatch");
@@ -459,6 +674,8 @@ void KVCacheManager::CheckInvariants() const {
                 detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.blocks.size(),
                                " block positions for ", seq.num_tokens, " tokens"));
       const std::int64_t limit = windows_[w]->is_swa() ? seq.num_tokens - window_sizes_[w] : 0;
+      KVC_CHECK(static_cast<std::int32_t>(sw.released.size()) == sw.front_null,
+                detail::Concat("request ", id, ": released list does not match the released front"));
       KVC_CHECK(sw.front_null == 0 || static_cast<std::int64_t>(sw.front_null) * tpb_ <= limit,
                 detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.front_null,
                                " released blocks reach into the window"));
@@ -475,6 +692,7 @@ void KVCacheManager::CheckInvariants() const {
       }
     }
   }
+  tree_->CheckInvariants();
   for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
 }
 

@@ -1,30 +1,42 @@
 #include "kvcache/window_block_manager.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "kvcache/errors.h"
 
 namespace kvcache {
 
-WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa,
+WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int32_t window_index,
                                        std::vector<PoolLayout> pools, std::int32_t num_primary,
-                                       std::int32_t num_secondary, MemoryBackend* backend)
+                                       std::int32_t num_secondary, MemoryBackend* backend,
+                                       ReuseTree* tree, WindowReuseOptions options,
+                                       EventLog* events)
     : window_(window),
       is_swa_(is_swa),
+      index_(window_index),
       pools_(std::move(pools)),
       num_primary_(num_primary),
       num_secondary_(num_secondary),
       backend_(backend),
-      ref_count_(static_cast<std::size_t>(num_primary + num_secondary), 0),
-      owner_(static_cast<std::size_t>(num_primary + num_secondary), -1),
+      tree_(tree),
+      options_(options),
+      events_(events),
       policy_(num_primary, num_secondary) {
+  const auto total = static_cast<std::size_t>(num_primary + num_secondary);
+  ref_count_.assign(total, 0);
+  owner_.assign(total, -1);
+  generation_.assign(total, 0);
+  node_of_.assign(total, kNoNode);
+  priority_.assign(total, static_cast<std::int8_t>(kDefaultPriority));
+  released_oow_.assign(total, 0);
+  expiry_ms_.assign(total, 0);
   primary_.assign(pools_.size(), nullptr);
   secondary_.assign(pools_.size(), nullptr);
   try {
     for (std::size_t p = 0; p < pools_.size(); ++p) {
       const std::size_t primary_bytes = pools_[p].BlockBytes() * static_cast<std::size_t>(num_primary);
-      const std::size_t secondary_bytes =
-          pools_[p].BlockBytes() * static_cast<std::size_t>(num_secondary);
+      const std::size_t secondary_bytes = pools_[p].BlockBytes() * static_cast<std::size_t>(num_secondary);
       primary_[p] = backend_->Allocate(CacheLevel::kPrimary, primary_bytes);
       if (backend_->HasMemory()) allocated_bytes_ += primary_bytes;
       if (secondary_bytes > 0) {
@@ -50,23 +62,180 @@ WindowBlockManager::~WindowBlockManager() {
   }
 }
 
-BlockId WindowBlockManager::Acquire(SeqId owner) {
+unsigned char* WindowBlockManager::Address(BlockId b, std::size_t pool) const {
+  const std::size_t bytes = pools_[pool].BlockBytes();
+  if (IsPrimary(b)) return static_cast<unsigned char*>(primary_[pool]) + static_cast<std::size_t>(b) * bytes;
+  return static_cast<unsigned char*>(secondary_[pool]) + static_cast<std::size_t>(b - num_primary_) * bytes;
+}
+
+int WindowBlockManager::QueuePriority(BlockId b) const {
+  return node_of_[b] != kNoNode ? priority_[b] : EvictionPolicy::kScratch;
+}
+
+void WindowBlockManager::Requeue(BlockId b) {
+  policy_.Remove(b);
+  policy_.Push(b, QueuePriority(b));
+}
+
+void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
+                                     std::optional<std::pair<int, int>> priority) {
+  if (events_ == nullptr || node_of_[b] == kNoNode) return;
+  KVCacheEvent e;
+  e.kind = EventKind::kUpdated;
+  e.window_size = window_;
+  e.hash = tree_->Hash(node_of_[b]);
+  e.cache_level = level;
+  e.priority = priority;
+  events_->Push(std::move(e));
+}
+
+BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced) {
   const BlockId b = policy_.Peek(CacheLevel::kPrimary);
   KVC_CHECK(b != kNullBlock, detail::Concat("window ", window_, " has no free block to hand out"));
   policy_.Remove(b);
+  *displaced = (released_oow_[b] != 0 && owner_[b] != owner) ? owner_[b] : -1;
+  if (node_of_[b] != kNoNode) EvictCached(b);
   ref_count_[b] = 1;
   owner_[b] = owner;
+  ++generation_[b];
+  released_oow_[b] = 0;
+  priority_[b] = static_cast<std::int8_t>(priority);
+  if (expiry_ms_[b] == 0 && expiry_ms != 0) timed_.push_back(b);
+  expiry_ms_[b] = expiry_ms;
   return b;
 }
 
-void WindowBlockManager::AddRef(BlockId b) {
-  KVC_CHECK(ref_count_[b] > 0, "AddRef on an unreferenced block");
+void WindowBlockManager::EvictCached(BlockId victim) {
+  const bool offload = options_.onboard_blocks && num_secondary_ > 0 &&
+                       priority_[victim] >= options_.secondary_offload_min_priority &&
+                       policy_.NumFree(CacheLevel::kSecondary) > 0;
+  if (!offload) {
+    Drop(victim);
+    return;
+  }
+  const BlockId s = policy_.Peek(CacheLevel::kSecondary);
+  policy_.Remove(s);
+  if (node_of_[s] != kNoNode) Drop(s);  // the oldest offloaded content goes; may unlink victim
+  if (node_of_[victim] == kNoNode) {
+    policy_.Push(s, EvictionPolicy::kScratch);
+    return;
+  }
+  if (backend_->HasMemory()) {
+    for (std::size_t p = 0; p < pools_.size(); ++p) {
+      const std::size_t bytes = pools_[p].BlockBytes();
+      backend_->Copy2D(Address(s, p), CacheLevel::kSecondary, bytes, Address(victim, p), CacheLevel::kPrimary,
+                       bytes, bytes, 1);
+    }
+  }
+  const NodeId n = node_of_[victim];
+  tree_->SetBlock(n, index_, s);
+  node_of_[s] = n;
+  node_of_[victim] = kNoNode;
+  priority_[s] = priority_[victim];
+  if (expiry_ms_[s] == 0 && expiry_ms_[victim] != 0) timed_.push_back(s);
+  expiry_ms_[s] = expiry_ms_[victim];
+  policy_.Push(s, priority_[s]);
+  ++offloaded_;
+  EmitUpdated(s, std::make_pair(0, 1), std::nullopt);
+}
+
+void WindowBlockManager::Claim(BlockId b) {
+  if (ref_count_[b] == 0) policy_.Remove(b);
   ++ref_count_[b];
 }
 
-void WindowBlockManager::Release(BlockId b, bool to_front) {
+void WindowBlockManager::Release(BlockId b, bool to_front, bool out_of_window) {
   KVC_CHECK(ref_count_[b] > 0, detail::Concat("window ", window_, ": release of free block ", b));
-  if (--ref_count_[b] == 0) policy_.Push(b, EvictionPolicy::kScratch, to_front);
+  if (out_of_window) released_oow_[b] = 1;
+  if (--ref_count_[b] == 0) {
+    const int q = QueuePriority(b);
+    policy_.Push(b, q, to_front && q == EvictionPolicy::kScratch);
+  }
+}
+
+BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
+                                    SeqId* displaced) {
+  KVC_CHECK(!IsPrimary(s) && ref_count_[s] > 0, "onboard needs a claimed secondary block");
+  const BlockId p = Acquire(owner, priority, expiry_ms, displaced);
+  if (backend_->HasMemory()) {
+    for (std::size_t i = 0; i < pools_.size(); ++i) {
+      const std::size_t bytes = pools_[i].BlockBytes();
+      backend_->Copy2D(Address(p, i), CacheLevel::kPrimary, bytes, Address(s, i), CacheLevel::kSecondary, bytes,
+                       bytes, 1);
+    }
+  }
+  const NodeId n = node_of_[s];
+  if (n != kNoNode) {
+    tree_->SetBlock(n, index_, p);
+    node_of_[p] = n;
+    node_of_[s] = kNoNode;
+    EmitUpdated(p, std::make_pair(1, 0), std::nullopt);
+  }
+  ++onboarded_;
+  Release(s);
+  return p;
+}
+
+void WindowBlockManager::CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens) {
+  if (!backend_->HasMemory() || num_tokens <= 0) return;
+  for (std::size_t p = 0; p < pools_.size(); ++p) {
+    const PoolLayout& pool = pools_[p];
+    const std::size_t row = static_cast<std::size_t>(pool.head_dim) * pool.elem_bytes;
+    const std::size_t pitch = row * static_cast<std::size_t>(pool.tokens_per_block);
+    const std::size_t rows = pool.layers.size() * static_cast<std::size_t>(pool.kv_factor * pool.num_kv_heads);
+    backend_->Copy2D(Address(dst, p), IsPrimary(dst) ? CacheLevel::kPrimary : CacheLevel::kSecondary, pitch,
+                     Address(src, p), IsPrimary(src) ? CacheLevel::kPrimary : CacheLevel::kSecondary, pitch,
+                     row * static_cast<std::size_t>(num_tokens), rows);
+  }
+}
+
+void WindowBlockManager::Link(BlockId b, NodeId node) {
+  KVC_CHECK(node_of_[b] == kNoNode && tree_->Block(node, index_) == kNullBlock, "link of a linked block or slot");
+  tree_->SetBlock(node, index_, b);
+  node_of_[b] = node;
+  if (policy_.Contains(b)) Requeue(b);
+}
+
+void WindowBlockManager::Drop(BlockId b) {
+  const NodeId n = node_of_[b];
+  KVC_CHECK(n != kNoNode, "drop of an uncached block");
+  std::vector<NodeId> nodes = {n};
+  if (options_.cascade_on_evict) tree_->ForEachDescendant(n, [&](NodeId m) { nodes.push_back(m); });
+  for (const NodeId m : nodes) {
+    const BlockId x = tree_->Block(m, index_);
+    if (x == kNullBlock) continue;
+    tree_->SetBlock(m, index_, kNullBlock);
+    node_of_[x] = kNoNode;
+    if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
+    if (policy_.Contains(x)) Requeue(x);  // now holds nothing reusable: scratch
+  }
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    if (tree_->Alive(*it)) tree_->PruneUp(*it);
+  }
+}
+
+void WindowBlockManager::SetPriority(BlockId b, int priority, std::int64_t expiry_ms) {
+  const int old = priority_[b];
+  priority_[b] = static_cast<std::int8_t>(priority);
+  if (expiry_ms_[b] == 0 && expiry_ms != 0) timed_.push_back(b);
+  expiry_ms_[b] = expiry_ms;
+  if (old == priority) return;
+  if (policy_.Contains(b)) Requeue(b);
+  EmitUpdated(b, std::nullopt, std::make_pair(old, priority));
+}
+
+void WindowBlockManager::RefreshPriorities(std::int64_t now_ms) {
+  std::vector<BlockId> still;
+  for (const BlockId b : timed_) {
+    if (expiry_ms_[b] == 0) continue;
+    if (expiry_ms_[b] <= now_ms) {
+      expiry_ms_[b] = 0;
+      SetPriority(b, kDefaultPriority, 0);
+    } else {
+      still.push_back(b);
+    }
+  }
+  timed_.swap(still);
 }
 
 void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expected_refs) const {
@@ -76,9 +245,8 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
   std::int32_t free_secondary = 0;
   for (BlockId b = 0; b < total; ++b) {
     if (ref_count_[b] != expected_refs[b]) {
-      throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ",
-                                         ref_count_[b], " but ", expected_refs[b],
-                                         " references from sequences"));
+      throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", ref_count_[b], " but ",
+                                         expected_refs[b], " references from sequences and pins"));
     }
     const bool free = ref_count_[b] == 0;
     if (free != policy_.Contains(b)) {
@@ -86,17 +254,30 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
                                          free ? " is unreferenced but not in a free queue"
                                               : " is referenced but sits in a free queue"));
     }
-    if (free) (b < num_primary_ ? free_primary : free_secondary)++;
+    if (free) {
+      (b < num_primary_ ? free_primary : free_secondary)++;
+      KVC_CHECK(policy_.QueuedPriority(b) == QueuePriority(b),
+                detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",
+                               policy_.QueuedPriority(b), " instead of ", QueuePriority(b)));
+    }
+    if (node_of_[b] != kNoNode) {
+      KVC_CHECK(tree_->Alive(node_of_[b]) && tree_->Block(node_of_[b], index_) == b,
+                detail::Concat("window ", window_, ": block ", b, " points to a tree node that does not hold it"));
+    }
   }
+  tree_->ForEachDescendant(ReuseTree::kRoot, [&](NodeId n) {
+    const BlockId b = tree_->Block(n, index_);
+    KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && node_of_[b] == n),
+              detail::Concat("window ", window_, ": tree node ", n, " holds block ", b, " which does not point back"));
+  });
   std::int32_t visited = 0;
   policy_.ForEach(CacheLevel::kPrimary, [&](BlockId b) {
     KVC_CHECK(b >= 0 && b < num_primary_, "secondary block in the primary free queue");
     ++visited;
   });
   KVC_CHECK(visited == free_primary && policy_.NumFree(CacheLevel::kPrimary) == free_primary,
-            detail::Concat("window ", window_, ": primary free count ",
-                           policy_.NumFree(CacheLevel::kPrimary), " but ", free_primary,
-                           " free blocks (", visited, " queued)"));
+            detail::Concat("window ", window_, ": primary free count ", policy_.NumFree(CacheLevel::kPrimary), " but ",
+                           free_primary, " free blocks (", visited, " queued)"));
   visited = 0;
   policy_.ForEach(CacheLevel::kSecondary, [&](BlockId b) {
     KVC_CHECK(b >= num_primary_ && b < total, "primary block in the secondary free queue");

@@ -18,6 +18,7 @@ from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.manager import (
     NULL_BLOCK,
     OFFSET_SENTINEL,
+    KVCacheEvent,
     KVCacheManager,
     KvCacheStats,
     available_memory_bytes,
@@ -44,6 +45,7 @@ __all__ = [
     "DeviceOOMError",
     "InternalError",
     "KVCacheError",
+    "KVCacheEvent",
     "KVCacheManager",
     "KVCacheResourceManager",
     "KvCacheConfig",

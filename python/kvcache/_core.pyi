@@ -89,16 +89,73 @@ class KVCacheManager:
         ],
         backend: str,
         max_draft_tokens: typing.SupportsInt | typing.SupportsIndex = 0,
+        enable_block_reuse: bool = False,
+        enable_partial_reuse: bool = True,
+        copy_on_partial_reuse: bool = True,
+        onboard_blocks: bool = True,
+        secondary_offload_min_priority: typing.SupportsInt | typing.SupportsIndex = 30,
+        event_buffer_max_size: typing.SupportsInt | typing.SupportsIndex = 0,
+        swa_reuse_policy: str = "invalidate",
     ) -> None: ...
     def _add_sequence(
         self,
         request_id: typing.SupportsInt | typing.SupportsIndex,
         tokens: typing.Any,
         priority: typing.SupportsInt | typing.SupportsIndex | None = None,
+        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        multimodal: collections.abc.Sequence[
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+            ]
+        ] = [],
+        priority_ranges: collections.abc.Sequence[
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+            ]
+        ] = [],
+        decode_priority: typing.SupportsInt | typing.SupportsIndex | None = None,
+        decode_duration_ms: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> int: ...
+    def _get_num_blocks_to_allocate(
+        self,
+        tokens: typing.Any,
+        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        multimodal: collections.abc.Sequence[
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+            ]
+        ] = [],
+    ) -> dict[int, int]: ...
+    def _get_reusable_prefix_length(
+        self,
+        tokens: typing.Any,
+        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        multimodal: collections.abc.Sequence[
+            tuple[
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsInt | typing.SupportsIndex,
+            ]
+        ] = [],
+    ) -> int: ...
+    def _latest_events(self, timeout_ms: typing.SupportsInt | typing.SupportsIndex = 0) -> list: ...
     def _layer_buffer(self, layer_idx: typing.SupportsInt | typing.SupportsIndex) -> LayerBuffer:
         """
         LayerBuffer view on any backend with memory (tests).
+        """
+    def _set_fake_time_ms(self, now_ms: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Test hook: a fixed clock for timed priorities (negative: the real clock).
         """
     def _stats_dict(self) -> dict: ...
     def add_token(
@@ -141,8 +198,23 @@ class KVCacheManager:
         """
         Primary blocks that can be handed out now; without window_size the minimum over windows.
         """
+    def get_request_stats(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> dict:
+        """
+        Per-request reuse counters, summed over windows.
+        """
     def has_sequence(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def is_sequence_valid_for_reuse(
+        self, request_id: typing.SupportsInt | typing.SupportsIndex
+    ) -> bool: ...
     def num_tokens(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    def pin_blocks(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Stores the sequence's full blocks and keeps them from eviction in every window.
+        """
+    def refresh_blocks(self) -> None:
+        """
+        Once per engine step: expired timed priorities return to the default; pending copies complete.
+        """
     def remove_sequence(
         self,
         request_id: typing.SupportsInt | typing.SupportsIndex,
@@ -160,6 +232,18 @@ class KVCacheManager:
     ) -> None:
         """
         Drops the last num_tokens tokens, releasing blocks that become empty.
+        """
+    def store_context_blocks(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.
+        """
+    def unpin_blocks_by_id(
+        self,
+        block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        window_size: typing.SupportsInt | typing.SupportsIndex | None = None,
+    ) -> None:
+        """
+        Unpins the stored chains ending at these blocks (of window_size; default: the full-attention window, unpinning every window).
         """
     @property
     def backend(self) -> str: ...
@@ -189,6 +273,8 @@ class KVCacheManager:
         """
         One dict per pool in global order (ascending window, then KV-head count).
         """
+    @property
+    def reuse_enabled(self) -> bool: ...
     @property
     def tokens_per_block(self) -> int: ...
     @property

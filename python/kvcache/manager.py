@@ -8,6 +8,7 @@ typed stats object.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from kvcache.sizing import window_sizes as _window_sizes
 __all__ = [
     "NULL_BLOCK",
     "OFFSET_SENTINEL",
+    "KVCacheEvent",
     "KVCacheManager",
     "KvCacheStats",
     "available_memory_bytes",
@@ -93,6 +95,73 @@ class KvCacheStats:
     allocated_bytes: int = 0
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
+    reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
+    missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
+    num_cached_nodes: int = 0
+
+    @property
+    def cache_hit_rate_per_window_size(self) -> dict[int, float]:
+        """reused / (reused + missed) blocks of each window (0.0 before any lookup)."""
+        out = {}
+        for w, reused in self.reused_blocks_per_window_size.items():
+            total = reused + self.missed_blocks_per_window_size.get(w, 0)
+            out[w] = reused / total if total else 0.0
+        return out
+
+
+@dataclass(frozen=True)
+class KVCacheEvent:
+    """One KV cache event.
+
+    ``kind`` is ``"created"`` (``data["num_blocks_per_cache_level"]``), ``"stored"``
+    (``data["parent_hash"]``, ``data["blocks"]``: dicts with ``block_hash``, ``tokens``,
+    ``lora_task_id``, ``cache_level``, ``priority``), ``"removed"`` (``data["block_hashes"]``)
+    or ``"updated"`` (``data["block_hash"]``, ``data["cache_level"]`` and ``data["priority"]``
+    as ``(old, new)`` or ``None``).
+    """
+
+    event_id: int
+    window_size: int
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _hash64(value: bytes | str | int, what: str) -> int:
+    """Maps a content hash or salt to the 64-bit value the native keys use (stable)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be bytes, str or int, got bool")
+    if isinstance(value, int):
+        if 0 <= value <= _MASK64:
+            return value
+        value = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    elif isinstance(value, str):
+        value = value.encode("utf-8")
+    elif not isinstance(value, bytes | bytearray):
+        raise ValueError(f"{what} must be bytes, str or int, got {type(value).__name__}")
+    return int.from_bytes(hashlib.blake2b(bytes(value), digest_size=8).digest(), "little")
+
+
+def _multimodal(
+    items: Sequence[tuple[bytes | int, int, int]] | None,
+) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for item in items or ():
+        if not isinstance(item, tuple | list) or len(item) != 3:
+            raise ValueError(f"multimodal items are (content_hash, start, length), got {item!r}")
+        content, start, length = item
+        if not isinstance(start, int) or not isinstance(length, int) or start < 0 or length < 0:
+            raise ValueError(f"multimodal item start and length must be ints >= 0, got {item!r}")
+        out.append((_hash64(content, "multimodal content_hash"), start, length))
+    return out
+
+
+def _optional_int(name: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name} must be an int or None, got {value!r}")
+    return value
 
 
 def _native_kwargs(
@@ -146,6 +215,13 @@ def _native_kwargs(
         "blocks_per_window": counts,
         "backend": config.backend,
         "max_draft_tokens": max_draft_tokens,
+        "enable_block_reuse": config.enable_block_reuse,
+        "enable_partial_reuse": config.enable_partial_reuse,
+        "copy_on_partial_reuse": config.copy_on_partial_reuse,
+        "onboard_blocks": config.onboard_blocks,
+        "secondary_offload_min_priority": config.secondary_offload_min_priority,
+        "event_buffer_max_size": config.event_buffer_max_size,
+        "swa_reuse_policy": config.swa_reuse_policy,
     }
 
 
@@ -273,27 +349,114 @@ class KVCacheManager(_core.KVCacheManager):
         cache_salt: str | bytes | int | None = None,
         multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
         priority: int | None = None,
+        priority_ranges: Sequence[tuple[int, int | None, int, int | None]] | None = None,
+        decode_priority: int | None = None,
+        decode_duration_ms: int | None = None,
     ) -> int:
         """Registers a sequence whose prompt is ``tokens`` and gives every window its blocks.
+
+        With reuse on, prompt blocks found in the reuse tree are taken from the cache (onboarded
+        from host memory if they were offloaded; a partially matching block is taken over or
+        copied); a sliding window that reuses a prefix of length P gets ``NULL_BLOCK`` before
+        ``P - window``.
 
         Args:
             request_id: New, unique request id.
             tokens: Prompt token ids (sequence of ints or 1-D integer ndarray), non-empty,
                 at most ``max_seq_len`` long.
-            lora_task_id: LoRA adapter id (part of the reuse key).
-            cache_salt: Cache salt (part of the reuse key).
-            multimodal: ``(content_hash, start, length)`` items (part of the reuse key).
-            priority: Retention priority 0..100 of this sequence's blocks.
+            lora_task_id: LoRA adapter id (part of every block key; ``None`` differs from 0).
+            cache_salt: Cache salt (part of the first block key, so of the whole chain).
+            multimodal: ``(content_hash, start, length)`` items; each block's key holds every
+                item overlapping it with its offset relative to the block.
+            priority: Retention priority 0..100 of this sequence's blocks (default 35).
+            priority_ranges: ``(start, end or None, priority, duration_ms or None)`` per prompt
+                token range; a block takes the range holding its first token.
+            decode_priority: Priority of the blocks of generated tokens.
+            decode_duration_ms: How long the decode priority lasts (None: forever).
 
         Returns:
-            Prompt tokens whose KV is already cached in every window (0 without reuse).
+            Prompt tokens whose KV is already present in every window (never more than
+            ``len(tokens) - 1``; 0 without reuse).
 
         Raises:
-            ValueError: Duplicate id, empty or too long prompt, negative token, bad priority.
+            ValueError: Duplicate id, empty or too long prompt, negative token, bad priority
+                or multimodal item.
             OutOfBlocksError: A window lacks blocks; nothing was changed.
         """
-        del lora_task_id, cache_salt, multimodal  # reuse keys: used once block reuse lands
-        return int(self._add_sequence(request_id, tokens, priority))
+        ranges = []
+        for r in priority_ranges or ():
+            if not isinstance(r, tuple | list) or len(r) != 4:
+                raise ValueError(
+                    f"priority ranges are (start, end, priority, duration_ms), got {r!r}"
+                )
+            start, end, prio, duration = r
+            ranges.append((start, -1 if end is None else end, prio, duration or 0))
+        return int(
+            self._add_sequence(
+                request_id,
+                tokens,
+                priority=_optional_int("priority", priority),
+                lora_task_id=_optional_int("lora_task_id", lora_task_id),
+                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
+                multimodal=_multimodal(multimodal),
+                priority_ranges=ranges,
+                decode_priority=_optional_int("decode_priority", decode_priority),
+                decode_duration_ms=_optional_int("decode_duration_ms", decode_duration_ms) or 0,
+            )
+        )
+
+    def get_reusable_prefix_length(
+        self,
+        tokens: Sequence[int] | Any,
+        *,
+        lora_task_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+    ) -> int:
+        """What :meth:`add_sequence` would return for this prompt now, changing nothing."""
+        return int(
+            self._get_reusable_prefix_length(
+                tokens,
+                lora_task_id=_optional_int("lora_task_id", lora_task_id),
+                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
+                multimodal=_multimodal(multimodal),
+            )
+        )
+
+    def get_num_blocks_to_allocate(
+        self,
+        tokens: Sequence[int] | Any,
+        *,
+        lora_task_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+    ) -> dict[int, int]:
+        """Free primary blocks per window that :meth:`add_sequence` of this prompt takes now.
+
+        Reused blocks that other sequences hold cost nothing; reused cached (free) blocks,
+        onboarded blocks, the partial block and fresh blocks cost one each.
+        """
+        return dict(
+            self._get_num_blocks_to_allocate(
+                tokens,
+                lora_task_id=_optional_int("lora_task_id", lora_task_id),
+                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
+                multimodal=_multimodal(multimodal),
+            )
+        )
+
+    def get_latest_events(self, timeout_ms: int = 0) -> list[KVCacheEvent]:
+        """Takes the buffered events (oldest first); waits up to ``timeout_ms`` for one.
+
+        Empty unless ``config.event_buffer_max_size > 0``.
+        """
+        out = []
+        for d in self._latest_events(timeout_ms):
+            event_id = d.pop("event_id")
+            window = d.pop("window_size")
+            kind = d.pop("kind")
+            out.append(KVCacheEvent(event_id, window, kind, d))
+        return out
 
     def get_kv_cache_stats(self) -> KvCacheStats:
         """Occupancy and allocation counters (primary blocks, summed over windows)."""

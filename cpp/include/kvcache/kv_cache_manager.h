@@ -12,7 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/block_key.h"
+#include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
+#include "kvcache/reuse_tree.h"
 #include "kvcache/sequence.h"
 #include "kvcache/types.h"
 #include "kvcache/window_block_manager.h"
@@ -35,6 +38,17 @@ struct WindowBlocks {
   std::int32_t secondary = 0;
 };
 
+/// What happens to a running sequence's released out-of-window blocks when another sequence
+/// reclaims them.
+enum class SwaReusePolicy : std::uint8_t {
+  /// The releasing sequence becomes invalid for store-for-reuse and stores nothing at the end;
+  /// evicting a sliding-window block drops the tree below it in that window.
+  kInvalidate,
+  /// The chain keeps its identity: a reclaimed position becomes a placeholder for that window
+  /// and everything else is stored; a sliding window only needs its last `window` tokens.
+  kPlaceholder,
+};
+
 /// Everything the manager needs besides the model.
 struct ManagerConfig {
   std::int32_t tokens_per_block = 32;
@@ -48,6 +62,13 @@ struct ManagerConfig {
   /// Sliding windows keep this many tokens beyond the window, so rewinding up to this many
   /// tokens (rejected draft tokens) never needs a block that was already released.
   std::int32_t max_draft_tokens = 0;
+  bool enable_block_reuse = false;
+  bool enable_partial_reuse = true;
+  bool copy_on_partial_reuse = true;
+  bool onboard_blocks = true;
+  int secondary_offload_min_priority = 30;
+  std::size_t event_buffer_max_size = 0;  ///< 0: no events.
+  SwaReusePolicy swa_reuse_policy = SwaReusePolicy::kInvalidate;
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.
@@ -65,6 +86,17 @@ struct KvCacheStats {
   std::int64_t allocated_bytes = 0;  ///< Pool bytes actually allocated (0 for virtual).
   std::int64_t offloaded_blocks = 0;
   std::int64_t onboarded_blocks = 0;
+  std::map<WindowSize, std::int64_t> reused_blocks_per_window_size;
+  std::map<WindowSize, std::int64_t> missed_blocks_per_window_size;
+  std::int64_t num_cached_nodes = 0;  ///< Nodes of the reuse tree (root excluded).
+};
+
+/// Per-request reuse counters (summed over windows).
+struct RequestStats {
+  std::int32_t reused_tokens = 0;  ///< Prompt tokens found in every window at add_sequence.
+  std::int64_t reused_blocks = 0;
+  std::int64_t missed_blocks = 0;
+  std::int64_t new_blocks = 0;
 };
 
 /// One pool as seen by an engine: which layers it holds and where its memory is.
@@ -93,6 +125,11 @@ struct LayerView {
 /// Options of AddSequence.
 struct SequenceOptions {
   std::optional<int> priority;  ///< Retention priority 0..100 of this sequence's blocks.
+  /// Priorities of prompt token ranges; a block takes the range holding its first token.
+  std::vector<PriorityRange> priority_ranges;
+  std::optional<int> decode_priority;     ///< Priority of blocks of generated tokens.
+  std::int64_t decode_duration_ms = 0;    ///< 0: the decode priority does not expire.
+  ReuseExtras extras;                     ///< LoRA id, cache salt, multimodal items.
 };
 
 /// KV cache manager for models with one or more attention window sizes (VSWA).
@@ -132,8 +169,31 @@ class KVCacheManager {
   void AddToken(SeqId id, TokenId token);
   /// Appends tokens[i] to ids[i] for a whole batch; all or nothing.
   void AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n);
-  /// Ends sequence `id` and releases its blocks.
+  /// Ends sequence `id`: with reuse on (and the sequence valid, or under kPlaceholder) stores its
+  /// blocks in the reuse tree first; `pin` keeps the stored blocks referenced until unpinned.
   void RemoveSequence(SeqId id, bool store_for_reuse = true, bool pin = false);
+  /// Stores the sequence's full prompt blocks now; returns the block positions newly stored.
+  std::int32_t StoreContextBlocks(SeqId id);
+  /// Stores the sequence's full blocks and pins them in every window.
+  void PinBlocks(SeqId id);
+  /// Unpins the chain ending at each block (and its ancestors) in `window`, or in every window
+  /// when `window` is nullopt (block ids are then those of the full-attention window).
+  void UnpinBlocksById(const std::vector<BlockId>& blocks, std::optional<WindowSize> window);
+  /// Once per engine step: timed priorities that expired return to the default; copies finish.
+  void RefreshBlocks();
+  /// What AddSequence would return now for this prompt, without changing anything.
+  std::int32_t GetReusablePrefixLength(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
+  /// Free primary blocks per window that AddSequence of this prompt would take now (reused
+  /// blocks that are referenced cost nothing; cached free ones, onboards and fresh ones one each).
+  std::map<WindowSize, std::int32_t> GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
+                                                            const ReuseExtras& extras) const;
+  bool IsSequenceValidForReuse(SeqId id) const;
+  RequestStats GetRequestStats(SeqId id) const;
+  /// Buffered events (empty without an event buffer); waits up to `timeout_ms` for one.
+  std::vector<KVCacheEvent> GetLatestEvents(std::int64_t timeout_ms);
+  bool reuse_enabled() const { return reuse_; }
+  /// Test hook: a fixed clock for timed priorities (negative: the real steady clock).
+  void SetFakeTimeMs(std::int64_t now_ms);
   /// Drops the last `num_tokens` tokens of `id`, releasing blocks that become empty.
   void Rewind(SeqId id, std::int32_t num_tokens);
 
@@ -163,6 +223,15 @@ class KVCacheManager {
   void CheckInvariants() const;
 
  private:
+  struct ReusePlan {
+    std::vector<NodeId> path;        // nodes of the matched full blocks
+    std::int32_t full_blocks = 0;    // P: full blocks every window can serve
+    NodeId partial = kNoNode;        // node whose first tokens are reused after them
+    std::int32_t partial_tokens = 0;
+    std::vector<BlockId> partial_src;     // per window
+    std::vector<char> partial_takeover;   // per window: take the block over instead of copying
+    std::int32_t reused_tokens = 0;
+  };
   struct WindowCounters {
     std::int64_t alloc_total = 0;
     std::int64_t alloc_new = 0;
@@ -177,6 +246,20 @@ class KVCacheManager {
   std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const;
   /// Releases the front blocks of `seq` in window `w` that left the window.
   void ReleaseFront(Sequence& seq, std::size_t w);
+  std::int64_t NowMs() const;
+  /// Priority and expiry of block position `j` of `seq`.
+  std::pair<int, std::int64_t> BlockPriority(const Sequence& seq, std::int32_t j) const;
+  /// Hands out a block of window `w` to `seq`, invalidating a displaced live owner.
+  BlockId AcquireFor(std::size_t w, const Sequence& seq, std::int32_t position);
+  void InvalidateIfLive(SeqId displaced);
+  std::vector<std::int32_t> PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
+                                               std::vector<std::int32_t>* front) const;
+  ReusePlan PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
+  /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
+  /// `full_only`); pins each stored block when `pin`. Returns positions newly stored.
+  std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only, bool pin);
+  void Pin(std::size_t w, BlockId b);
+  void Unpin(std::size_t w, BlockId b);
 
   std::int32_t tpb_;
   std::int32_t max_seq_len_;
@@ -192,6 +275,14 @@ class KVCacheManager {
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
   std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)
   std::unordered_map<SeqId, Sequence> sequences_;
+  bool reuse_ = false;
+  bool partial_reuse_ = true;
+  bool copy_on_partial_ = true;
+  SwaReusePolicy swa_policy_ = SwaReusePolicy::kInvalidate;
+  std::unique_ptr<EventLog> events_;
+  std::unique_ptr<ReuseTree> tree_;
+  std::vector<std::vector<std::int32_t>> pins_;  // per window, per block
+  std::int64_t fake_now_ms_ = -1;
   std::uint64_t stamp_ = 0;
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;

@@ -42,6 +42,10 @@ class ReuseTree {
   void SetBlock(NodeId node, std::int32_t window_index, BlockId block) {
     blocks_[Slot(node, window_index)] = block;
   }
+  /// True if `node` is a live node of the tree (not deleted).
+  bool Alive(NodeId node) const {
+    return node >= 0 && static_cast<std::size_t>(node) < nodes_.size() && nodes_[node].in_use;
+  }
   /// True if no window holds a block at `node`.
   bool IsEmpty(NodeId node) const;
   bool IsLeaf(NodeId node) const { return nodes_[node].first_child == kNoNode; }

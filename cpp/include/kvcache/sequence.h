@@ -2,8 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 #include <vector>
 
+#include "kvcache/block_key.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
@@ -14,6 +17,18 @@ namespace kvcache {
 struct SequenceWindow {
   std::vector<BlockId> blocks;
   std::int32_t front_null = 0;
+  /// For each of the first `front_null` positions: the block released there and its generation
+  /// at release (kNullBlock when the position never held a block). A released block still holds
+  /// this sequence's KV while its generation is unchanged.
+  std::vector<std::pair<BlockId, std::uint32_t>> released;
+};
+
+/// Retention priority of the prompt tokens [start, end) (end < 0: to the end of the prompt).
+struct PriorityRange {
+  std::int32_t start = 0;
+  std::int32_t end = -1;
+  int priority = kDefaultPriority;
+  std::int64_t duration_ms = 0;  ///< 0: does not expire.
 };
 
 /// One registered sequence (a request in flight).
@@ -25,6 +40,16 @@ struct Sequence {
   std::vector<TokenId> tokens;          ///< Prompt then generated tokens (keys for reuse).
   std::vector<SequenceWindow> windows;  ///< One per window, ascending window order.
   std::uint64_t batch_stamp = 0;        ///< Duplicate detection inside one batch call.
+  bool explicit_priority = false;       ///< Priority or ranges given: applied to reused blocks.
+  std::vector<PriorityRange> priority_ranges;
+  std::optional<int> decode_priority;
+  std::int64_t decode_duration_ms = 0;
+  ReuseExtras extras;
+  bool valid_for_reuse = true;  ///< False once another sequence reclaimed a released block.
+  std::int32_t reused_tokens = 0;
+  std::int64_t reused_blocks = 0;
+  std::int64_t missed_blocks = 0;
+  std::int64_t new_blocks = 0;
 };
 
 }  // namespace kvcache

@@ -1,12 +1,16 @@
-// The blocks of one attention window: pool memory, block metadata and free queues.
+// The blocks of one attention window: pool memory, block state, free queues, eviction.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "kvcache/eviction_policy.h"
+#include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
+#include "kvcache/reuse_tree.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
@@ -30,13 +34,26 @@ struct PoolLayout {
   std::size_t BlockBytes() const { return layers.size() * kv_factor * SlabBytes(); }
 };
 
-/// Owns the pools of one window and the state of each block: reference count, last owner and
-/// membership in the free queues. Block ids are slots: primary ids [0, num_primary), secondary
-/// ids after them. Not thread-safe; the manager serializes access.
+/// How a window treats cached blocks.
+struct WindowReuseOptions {
+  /// Evicting a cached block also drops the part of the tree below it in this window (always for
+  /// full attention; for sliding windows only under swa_reuse_policy "invalidate").
+  bool cascade_on_evict = true;
+  bool onboard_blocks = true;  ///< Evicted cached blocks may be offloaded to secondary blocks.
+  int secondary_offload_min_priority = 30;
+};
+
+/// Owns the pools of one window and the state of each block: reference count, owner and
+/// generation (bumped at every hand-out), retention priority, and the link to the reuse-tree
+/// node whose content it caches. Block ids are slots: primary [0, num_primary), secondary after.
+/// An unreferenced block sits in the free queues: at its priority if it caches content, in the
+/// scratch queue otherwise. Not thread-safe; the manager serializes access.
 class WindowBlockManager {
  public:
-  WindowBlockManager(WindowSize window, bool is_swa, std::vector<PoolLayout> pools,
-                     std::int32_t num_primary, std::int32_t num_secondary, MemoryBackend* backend);
+  WindowBlockManager(WindowSize window, bool is_swa, std::int32_t window_index,
+                     std::vector<PoolLayout> pools, std::int32_t num_primary,
+                     std::int32_t num_secondary, MemoryBackend* backend, ReuseTree* tree,
+                     WindowReuseOptions options, EventLog* events);
   ~WindowBlockManager();
   WindowBlockManager(const WindowBlockManager&) = delete;
   WindowBlockManager& operator=(const WindowBlockManager&) = delete;
@@ -48,40 +65,82 @@ class WindowBlockManager {
   const std::vector<PoolLayout>& pools() const { return pools_; }
   void* primary_base(std::size_t pool) const { return primary_[pool]; }
   void* secondary_base(std::size_t pool) const { return secondary_[pool]; }
-  /// Bytes actually allocated for this window's pools (0 on the virtual backend).
   std::size_t allocated_bytes() const { return allocated_bytes_; }
+  std::int64_t offloaded_blocks() const { return offloaded_; }
+  std::int64_t onboarded_blocks() const { return onboarded_; }
 
-  /// Primary blocks that can be handed out now.
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
-  /// Hands out the next free primary block to `owner` with one reference.
-  /// Precondition (checked): NumFreePrimary() > 0.
-  BlockId Acquire(SeqId owner);
-  /// Adds a reference to an already referenced block.
-  void AddRef(BlockId b);
-  /// Drops one reference; at zero the block is queued free (at the front if `to_front`).
-  void Release(BlockId b, bool to_front = false);
+  std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
+  bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return ref_count_[b]; }
-  /// The sequence that acquired `b` last (or -1 if never handed out).
   SeqId Owner(BlockId b) const { return owner_[b]; }
+  std::uint32_t Generation(BlockId b) const { return generation_[b]; }
+  NodeId NodeOf(BlockId b) const { return node_of_[b]; }
+  int Priority(BlockId b) const { return priority_[b]; }
   const EvictionPolicy& policy() const { return policy_; }
 
-  /// Verifies that reference counts equal `expected_refs` (per block id, counted from the
-  /// sequences' block lists) and that the free queues hold exactly the unreferenced blocks.
-  /// Throws InternalError naming the first violation.
+  /// Hands out the next free primary block to `owner` with one reference and `priority`.
+  /// Cached content of the victim is offloaded to a secondary block when allowed, else dropped
+  /// from the tree. If the victim had been released out of window by a sequence other than
+  /// `owner`, that sequence is written to *displaced (else -1). Precondition: a free block.
+  BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced);
+  /// Takes a reference on `b` (cached blocks may be free: they leave the free queues).
+  void Claim(BlockId b);
+  /// Drops one reference; at zero the block is queued (cached: at its priority; else scratch,
+  /// at the front if `to_front`). `out_of_window` marks a release by a running sequence.
+  void Release(BlockId b, bool to_front = false, bool out_of_window = false);
+  /// Moves the content of claimed secondary block `s` into a fresh primary block for `owner`
+  /// and relinks the tree node to it; releases `s`. Returns the primary block.
+  BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced);
+  /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
+  void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
+
+  /// Links unlinked block `b` to tree node `node` (whose slot for this window is empty).
+  void Link(BlockId b, NodeId node);
+  /// Unlinks cached block `b` (with cascade_on_evict, also every block below it in this window),
+  /// emits removed events, re-queues unlinked free blocks as scratch and prunes empty nodes.
+  void Drop(BlockId b);
+  /// Sets `b`'s retention priority (and expiry, 0 = none); re-queues it if free; emits an
+  /// updated event when a cached block's priority changes.
+  void SetPriority(BlockId b, int priority, std::int64_t expiry_ms);
+  /// Timed priorities that expired at `now_ms` return to the default priority.
+  void RefreshPriorities(std::int64_t now_ms);
+
+  /// Verifies reference counts against `expected_refs` (counted by the manager), queue
+  /// membership and levels, and tree back-links. Throws InternalError.
   void CheckInvariants(const std::vector<std::int32_t>& expected_refs) const;
 
  private:
+  unsigned char* Address(BlockId b, std::size_t pool) const;
+  int QueuePriority(BlockId b) const;
+  void EvictCached(BlockId victim);
+  void Requeue(BlockId b);
+  void EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
+                   std::optional<std::pair<int, int>> priority);
+
   WindowSize window_;
   bool is_swa_;
+  std::int32_t index_;
   std::vector<PoolLayout> pools_;
   std::int32_t num_primary_;
   std::int32_t num_secondary_;
   MemoryBackend* backend_;
+  ReuseTree* tree_;
+  WindowReuseOptions options_;
+  EventLog* events_;
   std::vector<void*> primary_;
   std::vector<void*> secondary_;
   std::size_t allocated_bytes_ = 0;
   std::vector<std::int32_t> ref_count_;
   std::vector<SeqId> owner_;
+  std::vector<std::uint32_t> generation_;
+  std::vector<NodeId> node_of_;
+  std::vector<std::int8_t> priority_;
+  std::vector<std::uint8_t> released_oow_;
+  std::vector<std::int64_t> expiry_ms_;
+  std::vector<BlockId> timed_;  // blocks with an expiry
+  std::int64_t offloaded_ = 0;
+  std::int64_t onboarded_ = 0;
   EvictionPolicy policy_;
 };
 

@@ -1,0 +1,68 @@
+// KV cache events: what was created, stored, removed or updated, per window, in order.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "kvcache/types.h"
+
+namespace kvcache {
+
+enum class EventKind : std::uint8_t { kCreated, kStored, kRemoved, kUpdated };
+
+/// One stored block as reported by a kStored event.
+struct StoredBlock {
+  std::uint64_t hash = 0;
+  std::vector<TokenId> tokens;
+  std::optional<std::int64_t> lora_task_id;
+  int cache_level = 0;  ///< 0 = primary, 1 = secondary.
+  int priority = kDefaultPriority;
+};
+
+/// One event. Which fields are meaningful depends on `kind`.
+struct KVCacheEvent {
+  std::uint64_t event_id = 0;  ///< Monotonic over the manager's lifetime (gaps = dropped).
+  WindowSize window_size = 0;
+  EventKind kind = EventKind::kCreated;
+  // kCreated: blocks per cache level.
+  std::int32_t num_primary_blocks = 0;
+  std::int32_t num_secondary_blocks = 0;
+  // kStored: the parent of the first block (none for a chain starting at the root) and the blocks.
+  std::optional<std::uint64_t> parent_hash;
+  std::vector<StoredBlock> blocks;
+  // kRemoved: hashes of removed blocks (consecutive removals of one window are merged).
+  std::vector<std::uint64_t> hashes;
+  // kUpdated: one block's cache level and/or priority change.
+  std::uint64_t hash = 0;
+  std::optional<std::pair<int, int>> cache_level;  ///< (old, new)
+  std::optional<std::pair<int, int>> priority;     ///< (old, new)
+};
+
+/// Bounded, thread-safe event buffer: the oldest events are dropped when it is full.
+class EventLog {
+ public:
+  explicit EventLog(std::size_t max_size) : max_size_(max_size) {}
+  void Push(KVCacheEvent event);
+  /// Records one removed block hash, merged into the previous event if that is a removal of
+  /// the same window.
+  void PushRemoved(WindowSize window, std::uint64_t hash);
+  /// Takes every buffered event; waits up to `timeout_ms` for one if the buffer is empty.
+  std::vector<KVCacheEvent> Take(std::int64_t timeout_ms);
+  std::uint64_t num_dropped() const;
+
+ private:
+  void PushLocked(KVCacheEvent event);
+
+  std::size_t max_size_;
+  std::deque<KVCacheEvent> events_;
+  std::uint64_t next_id_ = 0;
+  std::uint64_t dropped_ = 0;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+}  // namespace kvcache

@@ -1,0 +1,58 @@
+#include "kvcache/events.h"
+
+#include <chrono>
+#include <utility>
+
+namespace kvcache {
+
+void EventLog::PushLocked(KVCacheEvent event) {
+  event.event_id = next_id_++;
+  events_.push_back(std::move(event));
+  while (events_.size() > max_size_) {
+    events_.pop_front();
+    ++dropped_;
+  }
+}
+
+void EventLog::Push(KVCacheEvent event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PushLocked(std::move(event));
+  }
+  cv_.notify_all();
+}
+
+void EventLog::PushRemoved(WindowSize window, std::uint64_t hash) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!events_.empty() && events_.back().kind == EventKind::kRemoved &&
+        events_.back().window_size == window) {
+      events_.back().hashes.push_back(hash);
+    } else {
+      KVCacheEvent e;
+      e.kind = EventKind::kRemoved;
+      e.window_size = window;
+      e.hashes.push_back(hash);
+      PushLocked(std::move(e));
+    }
+  }
+  cv_.notify_all();
+}
+
+std::vector<KVCacheEvent> EventLog::Take(std::int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (events_.empty() && timeout_ms > 0) {
+    cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return !events_.empty(); });
+  }
+  std::vector<KVCacheEvent> out(std::make_move_iterator(events_.begin()),
+                                std::make_move_iterator(events_.end()));
+  events_.clear();
+  return out;
+}
+
+std::uint64_t EventLog::num_dropped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return dropped_;
+}
+
+}  // namespace kvcache

@@ -1,0 +1,269 @@
+// KVCacheManager, reuse half: planning a prefix hit, storing chains, pins, events, priorities.
+#include <algorithm>
+#include <utility>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+
+namespace kvcache {
+namespace {
+
+std::int32_t CommonPrefix(const TokenId* a, const TokenId* b, std::int32_t n) {
+  std::int32_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return i;
+}
+
+}  // namespace
+
+KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::size_t n,
+                                                    const ReuseExtras& extras) const {
+  ReusePlan plan;
+  const std::size_t nw = windows_.size();
+  plan.partial_src.assign(nw, kNullBlock);
+  plan.partial_takeover.assign(nw, 0);
+  // The last prompt token is never part of a key: its KV is computed again for the logits.
+  const auto key_len = static_cast<std::int32_t>(n) - 1;
+  if (key_len <= 0) return plan;
+  const std::int32_t num_full = key_len / tpb_;
+  NodeId node = ReuseTree::kRoot;
+  std::uint64_t hash = 0;
+  for (std::int32_t d = 0; d < num_full; ++d) {
+    const TokenId* t = tokens + static_cast<std::ptrdiff_t>(d) * tpb_;
+    const std::uint64_t digest = BlockExtrasDigest(extras, d, d * tpb_, tpb_);
+    const std::uint64_t h = ChainHash(hash, t, tpb_, digest);
+    const NodeId child = tree_->FindChild(node, h, t, tpb_, digest);
+    if (child == kNoNode) break;
+    plan.path.push_back(child);
+    node = child;
+    hash = h;
+  }
+  // The longest block-aligned prefix every window can serve: a full-attention window needs every
+  // block before it, a sliding window only those covering its last `window` tokens.
+  auto full = static_cast<std::int32_t>(plan.path.size());
+  std::vector<std::vector<std::int32_t>> runs(nw);  // sliding windows: present blocks ending at i
+  for (std::size_t w = 0; w < nw; ++w) {
+    const auto wi = static_cast<std::int32_t>(w);
+    if (!windows_[w]->is_swa()) {
+      for (std::int32_t i = 0; i < full; ++i) {
+        if (tree_->Block(plan.path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
+          full = i;
+          break;
+        }
+      }
+    }
+  }
+  for (std::size_t w = 0; w < nw; ++w) {
+    if (!windows_[w]->is_swa()) continue;
+    auto& run = runs[w];
+    run.resize(static_cast<std::size_t>(full));
+    for (std::int32_t i = 0; i < full; ++i) {
+      const bool present = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)) != kNullBlock;
+      run[static_cast<std::size_t>(i)] = present ? (i > 0 ? run[static_cast<std::size_t>(i - 1)] : 0) + 1 : 0;
+    }
+  }
+  auto serves = [&](std::int32_t p) {
+    for (std::size_t w = 0; w < nw; ++w) {
+      if (!windows_[w]->is_swa() || p == 0) continue;
+      const std::int32_t first_needed = std::max(0, p * tpb_ - window_sizes_[w]) / tpb_;
+      if (runs[w][static_cast<std::size_t>(p - 1)] < p - first_needed) return false;
+    }
+    return true;
+  };
+  while (full > 0 && !serves(full)) --full;
+  plan.full_blocks = full;
+  plan.reused_tokens = full * tpb_;
+  if (!partial_reuse_) return plan;
+  // A partial match of the next block: the child sharing the longest token prefix with it.
+  const std::int32_t start = full * tpb_;
+  const std::int32_t query = std::min(tpb_, key_len - start);
+  if (query <= 0 || HasMultimodal(extras, start, query)) return plan;
+  const NodeId parent = full == 0 ? ReuseTree::kRoot : plan.path[static_cast<std::size_t>(full - 1)];
+  const std::uint64_t digest = BlockExtrasDigest(extras, full, start, query);
+  NodeId best = kNoNode;
+  std::int32_t best_tokens = 0;
+  tree_->ForEachChild(parent, [&](NodeId c) {
+    if (tree_->HasMultimodal(c) || tree_->Extras(c) != digest) return;
+    const std::int32_t common = CommonPrefix(tree_->Tokens(c), tokens + start, std::min(tree_->NumTokens(c), query));
+    if (common <= best_tokens) return;
+    for (std::size_t w = 0; w < nw; ++w) {
+      const BlockId b = tree_->Block(c, static_cast<std::int32_t>(w));
+      if (b == kNullBlock) return;
+      const bool takeover = windows_[w]->RefCount(b) == 0 && windows_[w]->IsPrimary(b) && tree_->IsLeaf(c);
+      if (!copy_on_partial_ && !takeover) return;
+    }
+    best = c;
+    best_tokens = common;
+  });
+  if (best == kNoNode) return plan;
+  plan.partial = best;
+  plan.partial_tokens = best_tokens;
+  plan.reused_tokens += best_tokens;
+  for (std::size_t w = 0; w < nw; ++w) {
+    const BlockId b = tree_->Block(best, static_cast<std::int32_t>(w));
+    plan.partial_src[w] = b;
+    plan.partial_takeover[w] =
+        windows_[w]->RefCount(b) == 0 && windows_[w]->IsPrimary(b) && tree_->IsLeaf(best) ? 1 : 0;
+  }
+  KVC_CHECK(plan.reused_tokens < static_cast<std::int32_t>(n), "reuse plan covers the last prompt token");
+  return plan;
+}
+
+std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only, bool pin) {
+  if (key_len <= 0) return 0;
+  const std::int32_t num_blocks = full_only ? key_len / tpb_ : (key_len + tpb_ - 1) / tpb_;
+  const std::size_t nw = windows_.size();
+  std::vector<KVCacheEvent> stored(events_ ? nw : 0);
+  std::vector<std::int32_t> last_stored(nw, -2);
+  NodeId parent = ReuseTree::kRoot;
+  std::uint64_t parent_hash = 0;
+  NodeId last = ReuseTree::kRoot;
+  std::int32_t newly = 0;
+  auto flush = [&](std::size_t w) {
+    if (events_ && !stored[w].blocks.empty()) {
+      events_->Push(std::move(stored[w]));
+      stored[w] = KVCacheEvent{};
+    }
+  };
+  for (std::int32_t d = 0; d < num_blocks; ++d) {
+    const std::int32_t start = d * tpb_;
+    const std::int32_t len = std::min(tpb_, key_len - start);
+    const TokenId* t = seq.tokens.data() + start;
+    const std::uint64_t digest = BlockExtrasDigest(seq.extras, d, start, len);
+    const std::uint64_t h = ChainHash(parent_hash, t, len, digest);
+    const NodeId node = tree_->GetOrCreateChild(parent, h, t, len, digest, HasMultimodal(seq.extras, start, len));
+    if (node == kNoNode) break;  // a 64-bit hash collision with another key: stop storing
+    bool any = false;
+    for (std::size_t w = 0; w < nw; ++w) {
+      WindowBlockManager& wm = *windows_[w];
+      const SequenceWindow& sw = seq.windows[w];
+      const auto wi = static_cast<std::int32_t>(w);
+      BlockId b = kNullBlock;
+      if (d < sw.front_null) {
+        const auto [released, generation] = sw.released[static_cast<std::size_t>(d)];
+        // A released block still holds this sequence's KV unless it was handed out again.
+        if (released != kNullBlock && wm.Generation(released) == generation) b = released;
+      } else {
+        b = sw.blocks[static_cast<std::size_t>(d)];
+      }
+      if (b != kNullBlock && tree_->Block(node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
+        wm.Link(b, node);
+        any = true;
+        if (events_) {
+          if (last_stored[w] != d - 1) {
+            flush(w);
+            stored[w].kind = EventKind::kStored;
+            stored[w].window_size = window_sizes_[w];
+            if (parent != ReuseTree::kRoot) stored[w].parent_hash = parent_hash;
+          }
+          StoredBlock block;
+          block.hash = h;
+          block.tokens.assign(t, t + len);
+          block.lora_task_id = seq.extras.lora_task_id;
+          block.cache_level = wm.IsPrimary(b) ? 0 : 1;
+          block.priority = wm.Priority(b);
+          stored[w].blocks.push_back(std::move(block));
+          last_stored[w] = d;
+        }
+      }
+      if (pin && tree_->Block(node, wi) != kNullBlock) Pin(w, tree_->Block(node, wi));
+    }
+    newly += any ? 1 : 0;
+    parent = node;
+    parent_hash = h;
+    last = node;
+  }
+  for (std::size_t w = 0; w < stored.size(); ++w) flush(w);
+  tree_->PruneUp(last);  // nodes created without any block
+  return newly;
+}
+
+void KVCacheManager::Pin(std::size_t w, BlockId b) {
+  windows_[w]->Claim(b);
+  ++pins_[w][static_cast<std::size_t>(b)];
+}
+
+void KVCacheManager::Unpin(std::size_t w, BlockId b) {
+  KVC_CHECK(pins_[w][static_cast<std::size_t>(b)] > 0, "unpin of an unpinned block");
+  --pins_[w][static_cast<std::size_t>(b)];
+  windows_[w]->Release(b);
+}
+
+std::int32_t KVCacheManager::StoreContextBlocks(SeqId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Sequence& seq = Find(id);
+  if (!reuse_) return 0;
+  if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return 0;
+  return StoreChain(seq, seq.prompt_len - 1, /*full_only=*/true, /*pin=*/false);
+}
+
+void KVCacheManager::PinBlocks(SeqId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Sequence& seq = Find(id);
+  if (!reuse_) throw KVCacheError("pin_blocks needs block reuse (enable_block_reuse)");
+  if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return;
+  StoreChain(seq, seq.num_tokens - 1, /*full_only=*/true, /*pin=*/true);
+}
+
+void KVCacheManager::UnpinBlocksById(const std::vector<BlockId>& blocks, std::optional<WindowSize> window) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::size_t lookup = window.has_value() ? WindowIndex(*window) : windows_.size() - 1;
+  const WindowBlockManager& wm = *windows_[lookup];
+  std::vector<NodeId> nodes;
+  for (const BlockId b : blocks) {
+    if (b < 0 || b >= wm.num_primary() + wm.num_secondary() || wm.NodeOf(b) == kNoNode) {
+      ThrowInvalid("unpin_blocks_by_id: block ", b, " of window ", wm.window(), " is not a stored block");
+    }
+    nodes.push_back(wm.NodeOf(b));
+  }
+  for (NodeId n : nodes) {
+    for (; n != ReuseTree::kRoot; n = tree_->Parent(n)) {
+      for (std::size_t w = 0; w < windows_.size(); ++w) {
+        if (window.has_value() && w != lookup) continue;
+        const BlockId x = tree_->Block(n, static_cast<std::int32_t>(w));
+        if (x != kNullBlock && pins_[w][static_cast<std::size_t>(x)] > 0) Unpin(w, x);
+      }
+    }
+  }
+}
+
+void KVCacheManager::RefreshBlocks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::int64_t now = NowMs();
+  for (auto& wm : windows_) wm->RefreshPriorities(now);
+  backend_->Synchronize();
+}
+
+std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std::size_t n,
+                                                     const ReuseExtras& extras) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n == 0) ThrowInvalid("get_reusable_prefix_length: the prompt is empty");
+  for (std::size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0) ThrowInvalid("token ", i, " is negative (", tokens[i], ")");
+  }
+  return reuse_ ? PlanReuse(tokens, n, extras).reused_tokens : 0;
+}
+
+bool KVCacheManager::IsSequenceValidForReuse(SeqId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Find(id).valid_for_reuse;
+}
+
+RequestStats KVCacheManager::GetRequestStats(SeqId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Sequence& seq = Find(id);
+  RequestStats r;
+  r.reused_tokens = seq.reused_tokens;
+  r.reused_blocks = seq.reused_blocks;
+  r.missed_blocks = seq.missed_blocks;
+  r.new_blocks = seq.new_blocks;
+  return r;
+}
+
+std::vector<KVCacheEvent> KVCacheManager::GetLatestEvents(std::int64_t timeout_ms) {
+  // No manager lock: waiting must not block the engine thread.
+  if (!events_) return {};
+  return events_->Take(timeout_ms);
+}
+
+}  // namespace kvcache

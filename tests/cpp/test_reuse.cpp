@@ -1,0 +1,406 @@
+// Block reuse: keys, partial reuse, eviction order and priorities, offload/onboard, events,
+// and reuse across windows.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+#include "test_util.h"
+
+namespace kvcache {
+namespace {
+
+using testing::Config;
+using testing::Iota;
+using testing::Model;
+constexpr BlockId N = kNullBlock;
+
+ManagerConfig ReuseConfig(std::vector<std::int32_t> windows, std::int32_t max_seq_len,
+                          std::map<WindowSize, std::int32_t> primary, std::int32_t secondary = 0) {
+  ManagerConfig c = Config(std::move(windows), max_seq_len, primary);
+  for (auto& kv : c.blocks_per_window) kv.second.secondary = secondary;
+  c.enable_block_reuse = true;
+  return c;
+}
+
+std::int32_t Add(KVCacheManager& m, SeqId id, const std::vector<TokenId>& tokens, SequenceOptions opts = {}) {
+  return m.AddSequence(id, tokens.data(), tokens.size(), opts);
+}
+
+std::int32_t Reusable(const KVCacheManager& m, const std::vector<TokenId>& tokens, const ReuseExtras& extras = {}) {
+  return m.GetReusablePrefixLength(tokens.data(), tokens.size(), extras);
+}
+
+TEST(ReuseTest, LastTokenIsNeverStoredAndPartialMatchExtends) {
+  KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 16}}));
+  EXPECT_EQ(Add(m, 1, Iota(9)), 0);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (std::vector<BlockId>{0, 1, 2}));
+  m.RemoveSequence(1);  // stores [0..3] and [4..7]; token 8 is the last one: never stored
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 2);
+  EXPECT_EQ(Reusable(m, Iota(9)), 8);
+  EXPECT_EQ(Reusable(m, Iota(10)), 8);  // [8] is not stored
+  EXPECT_EQ(Reusable(m, Iota(1)), 0);   // a 1-token prompt never reuses
+  EXPECT_EQ(Reusable(m, Iota(2)), 1);   // partial match of the first block
+  EXPECT_EQ(Add(m, 2, Iota(9)), 8);
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{0, 1, 3}));
+  m.AddToken(2, 9);  // [0..9]: removal stores [8] as a partial block
+  m.RemoveSequence(2);
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 3);
+  EXPECT_EQ(Add(m, 3, Iota(10)), 9);  // partial match of the third block: taken over
+  EXPECT_EQ(m.GetCacheBlockIds(3, 64), (std::vector<BlockId>{0, 1, 3}));
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 2);  // the taken-over leaf left the tree
+  const RequestStats r = m.GetRequestStats(3);
+  EXPECT_EQ(r.reused_tokens, 9);
+  EXPECT_EQ(r.reused_blocks, 3);
+  EXPECT_EQ(r.missed_blocks, 0);
+  EXPECT_EQ(r.new_blocks, 0);
+  m.CheckInvariants();
+  EXPECT_EQ(Add(m, 4, {0}), 0);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, ReuseOffReturnsZeroAndStoresNothing) {
+  ManagerConfig c = ReuseConfig({}, 64, {{64, 8}});
+  c.enable_block_reuse = false;
+  KVCacheManager m(Model(1), c);
+  Add(m, 1, Iota(9));
+  m.RemoveSequence(1);
+  EXPECT_EQ(Add(m, 2, Iota(9)), 0);
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 0);
+  EXPECT_EQ(m.GetStats().missed_blocks, 0);
+}
+
+TEST(ReuseTest, ExtraKeysSeparateChains) {
+  KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 32}}));
+  const auto prompt = Iota(9);
+  SequenceOptions lora1;
+  lora1.extras.lora_task_id = 1;
+  SequenceOptions salted;
+  salted.extras.cache_salt = 0;
+  SequenceOptions image;
+  image.extras.multimodal = {MultimodalItem{0xabc, 2, 3}};
+  Add(m, 1, prompt, lora1);
+  Add(m, 2, prompt, salted);
+  Add(m, 3, prompt, image);
+  Add(m, 4, prompt);
+  for (SeqId id = 1; id <= 4; ++id) m.RemoveSequence(id);
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 8);  // four independent chains of two blocks
+  ReuseExtras e;
+  EXPECT_EQ(Reusable(m, prompt, e), 8);  // no LoRA, no salt, no items: chain 4
+  e.lora_task_id = 1;
+  EXPECT_EQ(Reusable(m, prompt, e), 8);
+  e.lora_task_id = 2;
+  EXPECT_EQ(Reusable(m, prompt, e), 0);
+  e.lora_task_id = 0;  // LoRA 0 is not "no LoRA"
+  EXPECT_EQ(Reusable(m, prompt, e), 0);
+  e = {};
+  e.cache_salt = 0;
+  EXPECT_EQ(Reusable(m, prompt, e), 8);
+  e.cache_salt = 1;
+  EXPECT_EQ(Reusable(m, prompt, e), 0);
+  e = {};
+  e.multimodal = {MultimodalItem{0xabc, 2, 3}};
+  EXPECT_EQ(Reusable(m, prompt, e), 8);
+  e.multimodal = {MultimodalItem{0xabd, 2, 3}};
+  EXPECT_EQ(Reusable(m, prompt, e), 0);
+  // The same item elsewhere: block 0 then holds no item and matches the plain chain, block 1
+  // matches nothing (and blocks with items are never matched partially).
+  e.multimodal = {MultimodalItem{0xabc, 5, 3}};
+  EXPECT_EQ(Reusable(m, prompt, e), 4);
+  e.multimodal = {MultimodalItem{0xabc, 4, 3}};
+  EXPECT_EQ(Reusable(m, prompt, e), 4);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, CopyOnPartialReuseCopiesExactlyTheFirstTokens) {
+  KVCacheManager m(Model(2, {2}, 2), ReuseConfig({}, 64, {{64, 8}}));
+  const std::vector<TokenId> a = {0, 1, 2, 3, 4, 5, 6, 7, 100};
+  Add(m, 1, a);
+  const auto blocks = m.GetCacheBlockIds(1, 64);
+  // Mark every (layer, kv, head, token, dim) element of block 1 with a distinct value.
+  for (std::int32_t layer = 0; layer < 2; ++layer) {
+    const LayerView v = m.GetLayerView(layer);
+    auto* base = static_cast<unsigned char*>(v.data) + blocks[1] * v.strides[0];
+    for (std::int64_t i = 0; i < v.shape[1] * v.strides[1] / 2; ++i) {
+      const auto value = static_cast<std::uint16_t>(1 + layer * 1000 + i);
+      std::memcpy(base + 2 * i, &value, 2);
+    }
+  }
+  m.RemoveSequence(1);
+  Add(m, 2, a);  // holds block 1 again, so the next partial match must copy it
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{0, 1, 3}));
+  const std::vector<TokenId> b = {0, 1, 2, 3, 4, 5, 99, 98, 97};
+  EXPECT_EQ(Add(m, 3, b), 6);
+  const auto got = m.GetCacheBlockIds(3, 64);
+  ASSERT_EQ(got, (std::vector<BlockId>{0, 4, 5}));
+  for (std::int32_t layer = 0; layer < 2; ++layer) {
+    const LayerView v = m.GetLayerView(layer);
+    const auto* src = static_cast<const unsigned char*>(v.data) + blocks[1] * v.strides[0];
+    const auto* dst = static_cast<const unsigned char*>(v.data) + got[1] * v.strides[0];
+    // [kv, heads, tokens, dim] = [2, 2, 4, 2]: per (kv, head) row, tokens 0-1 copied, 2-3 zero.
+    for (int row = 0; row < 4; ++row) {
+      for (int t = 0; t < 4; ++t) {
+        for (int d = 0; d < 2; ++d) {
+          const std::int64_t off = v.strides[2] * row + v.strides[3] * t + v.strides[4] * d;
+          std::uint16_t want = 0;
+          if (t < 2) std::memcpy(&want, src + off, 2);
+          std::uint16_t have = 0;
+          std::memcpy(&have, dst + off, 2);
+          ASSERT_EQ(have, want) << "layer " << layer << " row " << row << " token " << t;
+          if (t < 2) {
+            ASSERT_NE(want, 0);
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(m.GetRequestStats(3).reused_tokens, 6);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, NoCopyOnPartialReuseOnlyTakesOverFreeLeaves) {
+  ManagerConfig c = ReuseConfig({}, 64, {{64, 8}});
+  c.copy_on_partial_reuse = false;
+  KVCacheManager m(Model(1), c);
+  const std::vector<TokenId> a = {0, 1, 2, 3, 4, 5, 6, 7, 100};
+  Add(m, 1, a);
+  m.RemoveSequence(1);
+  Add(m, 2, a);
+  EXPECT_EQ(Reusable(m, {0, 1, 2, 3, 4, 5, 99, 98, 97}), 4);  // block 1 is held: no partial reuse
+  m.RemoveSequence(2);
+  EXPECT_EQ(Reusable(m, {0, 1, 2, 3, 4, 5, 99, 98, 97}), 6);  // free leaf: taken over
+}
+
+// Cached blocks are evicted lowest priority first, oldest release first; blocks holding nothing
+// reusable go before any cached block.
+TEST(ReuseTest, EvictionOrderFollowsPriorityThenReleaseTime) {
+  KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 6}}));
+  auto with_priority = [](int p) {
+    SequenceOptions o;
+    o.priority = p;
+    return o;
+  };
+  Add(m, 1, Iota(5, 10), with_priority(50));  // blocks 0 (stored), 1
+  m.RemoveSequence(1);
+  Add(m, 2, Iota(5, 20), with_priority(20));  // blocks 2 (stored), 3
+  m.RemoveSequence(2);
+  Add(m, 3, Iota(5, 30));  // blocks 4 (stored, default 35), 5
+  m.RemoveSequence(3);
+  Add(m, 4, Iota(5, 40), with_priority(20));  // scratch blocks 1 (stored) and 3
+  EXPECT_EQ(m.GetCacheBlockIds(4, 64), (std::vector<BlockId>{1, 3}));
+  m.RemoveSequence(4);
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 6);  // cached blocks count as free
+  Add(m, 5, Iota(12, 500));  // 3 blocks: scratch 5, 3, then the oldest priority-20 block (2)
+  EXPECT_EQ(m.GetCacheBlockIds(5, 64), (std::vector<BlockId>{5, 3, 2}));
+  EXPECT_EQ(Reusable(m, Iota(5, 20)), 0);
+  EXPECT_EQ(Reusable(m, Iota(5, 40)), 4);
+  Add(m, 6, Iota(12, 600));  // the rest in order: 1 (20), 4 (35), 0 (50)
+  EXPECT_EQ(m.GetCacheBlockIds(6, 64), (std::vector<BlockId>{1, 4, 0}));
+  EXPECT_EQ(Reusable(m, Iota(5, 10)), 0);
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 0);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, TimedPriorityDecaysAtRefresh) {
+  KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 4}}));
+  m.SetFakeTimeMs(1000);
+  SequenceOptions timed;
+  timed.priority_ranges = {PriorityRange{0, -1, 80, 10}};
+  SequenceOptions fifty;
+  fifty.priority = 50;
+  Add(m, 1, Iota(5, 10), timed);  // block 0 cached at 80 until t = 1010
+  m.RemoveSequence(1);
+  Add(m, 2, Iota(5, 20));         // blocks 2, 3 (scratch first); 2 cached at 35
+  m.RemoveSequence(2);
+  Add(m, 3, Iota(5, 30), fifty);  // blocks 1, 3; 1 cached at 50
+  m.RemoveSequence(3);
+  m.SetFakeTimeMs(1005);
+  m.RefreshBlocks();
+  Add(m, 4, Iota(8, 700));  // scratch 3, then priority 35 (block 2); block 0 (80) survives
+  EXPECT_EQ(m.GetCacheBlockIds(4, 64), (std::vector<BlockId>{3, 2}));
+  m.RemoveSequence(4);  // stores both (the second partially): priority-35 queue [2, 3]
+  EXPECT_EQ(Reusable(m, Iota(5, 10)), 4);
+  m.SetFakeTimeMs(1011);
+  m.RefreshBlocks();  // block 0 returns to 35, at the back: now evicted before block 1 (50)
+  Add(m, 5, Iota(12, 800));
+  EXPECT_EQ(m.GetCacheBlockIds(5, 64), (std::vector<BlockId>{2, 3, 0}));
+  EXPECT_EQ(Reusable(m, Iota(5, 10)), 0);
+  EXPECT_EQ(Reusable(m, Iota(5, 30)), 4);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, OffloadAtEvictionThenOnboardKeepsBytes) {
+  KVCacheManager m(Model(1, {1}, 2), ReuseConfig({}, 64, {{64, 4}}, /*secondary=*/2));
+  const auto a = Iota(9);
+  Add(m, 1, a);  // blocks 0, 1, 2
+  const LayerView v = m.GetLayerView(0);
+  auto* base = static_cast<unsigned char*>(v.data);
+  std::memset(base + 0 * v.strides[0], 0x11, static_cast<std::size_t>(v.strides[0]));
+  std::memset(base + 1 * v.strides[0], 0x22, static_cast<std::size_t>(v.strides[0]));
+  m.RemoveSequence(1);      // cached: 0 and 1 (queued 1, 0: newest released first)
+  Add(m, 2, Iota(12, 50));  // 3, 2 (scratch) then 1: offloaded to secondary block 4
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{3, 2, 1}));
+  EXPECT_EQ(m.GetStats().offloaded_blocks, 1);
+  std::memset(base + 1 * v.strides[0], 0x77, static_cast<std::size_t>(v.strides[0]));  // reused by 2
+  EXPECT_EQ(Reusable(m, a), 8);  // still whole: one block lives in host memory
+  m.RemoveSequence(2, /*store_for_reuse=*/false);
+  EXPECT_EQ(Add(m, 3, a), 8);
+  const auto got = m.GetCacheBlockIds(3, 64);
+  EXPECT_EQ(m.GetStats().onboarded_blocks, 1);
+  for (std::int64_t i = 0; i < v.strides[0]; ++i) {
+    ASSERT_EQ(base[got[0] * v.strides[0] + i], 0x11);
+    ASSERT_EQ(base[got[1] * v.strides[0] + i], 0x22);
+  }
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, LowPriorityBlocksAreDroppedNotOffloaded) {
+  KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 3}}, /*secondary=*/2));
+  SequenceOptions low;
+  low.priority = 10;  // below secondary_offload_min_priority (30)
+  Add(m, 1, Iota(5), low);
+  m.RemoveSequence(1);
+  Add(m, 2, Iota(12, 50));
+  EXPECT_EQ(m.GetStats().offloaded_blocks, 0);
+  EXPECT_EQ(Reusable(m, Iota(5)), 0);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, EventStream) {
+  ManagerConfig c = ReuseConfig({}, 64, {{64, 4}}, /*secondary=*/1);
+  c.event_buffer_max_size = 64;
+  KVCacheManager m(Model(1), c);
+  auto events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, EventKind::kCreated);
+  EXPECT_EQ(events[0].window_size, 64);
+  EXPECT_EQ(events[0].num_primary_blocks, 4);
+  EXPECT_EQ(events[0].num_secondary_blocks, 1);
+  SequenceOptions lora;
+  lora.extras.lora_task_id = 42;
+  Add(m, 1, Iota(9), lora);
+  m.RemoveSequence(1);
+  events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].event_id, 1u);
+  EXPECT_EQ(events[0].kind, EventKind::kStored);
+  EXPECT_FALSE(events[0].parent_hash.has_value());
+  ASSERT_EQ(events[0].blocks.size(), 2u);
+  EXPECT_EQ(events[0].blocks[0].tokens, Iota(4));
+  EXPECT_EQ(events[0].blocks[1].tokens, Iota(4, 4));
+  EXPECT_EQ(events[0].blocks[1].lora_task_id, 42);
+  EXPECT_EQ(events[0].blocks[0].cache_level, 0);
+  EXPECT_EQ(events[0].blocks[0].priority, kDefaultPriority);
+  const std::uint64_t h0 = events[0].blocks[0].hash;
+  const std::uint64_t h1 = events[0].blocks[1].hash;
+  // Storing the same chain again stores nothing new.
+  Add(m, 2, Iota(9), lora);
+  m.AddToken(2, 9);
+  m.RemoveSequence(2);  // only the new partial block [8]
+  events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].parent_hash, h1);
+  ASSERT_EQ(events[0].blocks.size(), 1u);
+  EXPECT_EQ(events[0].blocks[0].tokens, (std::vector<TokenId>{8}));
+  const std::uint64_t h2 = events[0].blocks[0].hash;
+  // Free: scratch [2], cached [3 ([8]), 1, 0]; one host block (4). Four blocks: 2, then each
+  // cached block is offloaded to the host block, whose previous content is dropped first.
+  Add(m, 3, Iota(13, 300));
+  EXPECT_EQ(m.GetCacheBlockIds(3, 64), (std::vector<BlockId>{2, 3, 1, 0}));
+  events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 5u);
+  EXPECT_EQ(events[0].kind, EventKind::kUpdated);
+  EXPECT_EQ(events[0].hash, h2);
+  EXPECT_EQ(events[0].cache_level, std::make_pair(0, 1));
+  EXPECT_FALSE(events[0].priority.has_value());
+  EXPECT_EQ(events[1].kind, EventKind::kRemoved);
+  EXPECT_EQ(events[1].hashes, (std::vector<std::uint64_t>{h2}));
+  EXPECT_EQ(events[2].kind, EventKind::kUpdated);
+  EXPECT_EQ(events[2].hash, h1);
+  EXPECT_EQ(events[3].kind, EventKind::kRemoved);
+  EXPECT_EQ(events[3].hashes, (std::vector<std::uint64_t>{h1}));
+  EXPECT_EQ(events[4].kind, EventKind::kUpdated);
+  EXPECT_EQ(events[4].hash, h0);
+  EXPECT_EQ(events[4].event_id, 7u);
+  EXPECT_EQ(m.GetStats().offloaded_blocks, 3);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, RemovalsOfOneWindowAreMerged) {
+  ManagerConfig c = ReuseConfig({}, 64, {{64, 4}});
+  c.event_buffer_max_size = 8;
+  KVCacheManager m(Model(1), c);
+  SequenceOptions ranges;  // the first block is the least valuable
+  ranges.priority_ranges = {PriorityRange{0, 4, 10, 0}, PriorityRange{4, -1, 50, 0}};
+  Add(m, 1, Iota(9), ranges);
+  m.RemoveSequence(1);
+  auto events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 2u);
+  ASSERT_EQ(events[1].blocks.size(), 2u);
+  EXPECT_EQ(events[1].blocks[0].priority, 10);
+  EXPECT_EQ(events[1].blocks[1].priority, 50);
+  const std::uint64_t h0 = events[1].blocks[0].hash;
+  const std::uint64_t h1 = events[1].blocks[1].hash;
+  Add(m, 2, Iota(9, 100));  // 3, 2, then block 0: its child goes with it
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{3, 2, 0}));
+  events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, EventKind::kRemoved);
+  EXPECT_EQ(events[0].hashes, (std::vector<std::uint64_t>{h0, h1}));
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 0);
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, EventBufferDropsOldest) {
+  ManagerConfig c = ReuseConfig({8, 0}, 64, {{8, 4}, {64, 4}});
+  c.event_buffer_max_size = 1;
+  KVCacheManager m(Model(2), c);
+  auto events = m.GetLatestEvents(0);
+  ASSERT_EQ(events.size(), 1u);  // the first window's Created event was dropped
+  EXPECT_EQ(events[0].event_id, 1u);
+  EXPECT_EQ(events[0].window_size, 64);
+  EXPECT_TRUE(m.GetLatestEvents(0).empty());
+}
+
+// One window lost a block of the chain: the reused length is what every window can serve.
+TEST(ReuseTest, ReusedLengthIsTheMinimumOverWindows) {
+  KVCacheManager m(Model(2), ReuseConfig({16, 0}, 64, {{16, 4}, {64, 12}}));
+  const auto a = Iota(13);
+  Add(m, 1, a);
+  m.RemoveSequence(1);  // positions 0..2 stored in both windows
+  EXPECT_EQ(Reusable(m, a), 12);
+  Add(m, 2, Iota(5, 100));  // window 16: scratch 3, then evicts position 2 (block 2)
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{3, 2}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{4, 5}));
+  EXPECT_EQ(Reusable(m, a), 8);
+  m.RemoveSequence(2);
+  EXPECT_EQ(Add(m, 3, a), 8);
+  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{0, 1, 2, 3}));
+  const auto full = m.GetCacheBlockIds(3, 64);
+  EXPECT_EQ(full[0], 0);
+  EXPECT_EQ(full[1], 1);
+  EXPECT_NE(full[2], 2);  // position 2 is recomputed in every window
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, PinnedBlocksSurviveEvictionUntilUnpinned) {
+  KVCacheManager m(Model(2), ReuseConfig({8, 0}, 64, {{8, 4}, {64, 4}}));
+  Add(m, 1, Iota(9));
+  m.RemoveSequence(1, /*store_for_reuse=*/true, /*pin=*/true);
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 2);  // two stored blocks pinned
+  EXPECT_THROW(Add(m, 2, Iota(13, 100)), OutOfBlocksError);
+  EXPECT_EQ(Reusable(m, Iota(9)), 8);
+  EXPECT_THROW(m.UnpinBlocksById({3}, std::nullopt), std::invalid_argument);  // not stored
+  m.CheckInvariants();
+  m.UnpinBlocksById({1}, std::nullopt);  // the chain's last block: every window, every ancestor
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 4);
+  EXPECT_EQ(m.GetNumFreeBlocks(8), 4);
+  Add(m, 2, Iota(13, 100));
+  EXPECT_EQ(Reusable(m, Iota(9)), 0);
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache
