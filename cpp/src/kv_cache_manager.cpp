@@ -255,6 +255,11 @@ std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& pl
       const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
       if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
     }
+    // A copied partial source is held while the copy's block is taken: a free one counts too.
+    if (plan.partial_tokens > 0 && !plan.partial_takeover[w]) {
+      const BlockId src = plan.partial_src[w];
+      if (wm.IsPrimary(src) && wm.RefCount(src) == 0) ++need[w];
+    }
   }
   return need;
 }

@@ -404,3 +404,102 @@ TEST(ReuseTest, PinnedBlocksSurviveEvictionUntilUnpinned) {
 
 }  // namespace
 }  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+ManagerConfig SwaConfig(std::vector<std::int32_t> windows, std::map<WindowSize, std::int32_t> primary,
+                        SwaReusePolicy policy) {
+  ManagerConfig c = ReuseConfig(std::move(windows), 64, std::move(primary));
+  c.swa_reuse_policy = policy;
+  return c;
+}
+
+// Request 0 releases block 0 of window 8; request 1 acquires it: request 0 may no longer
+// publish its chain as if that block still held its data.
+TEST(SwaReuseTest, ReclaimedOutOfWindowBlockInvalidatesItsOwner) {
+  for (const SwaReusePolicy policy : {SwaReusePolicy::kInvalidate, SwaReusePolicy::kPlaceholder}) {
+    SCOPED_TRACE(policy == SwaReusePolicy::kInvalidate ? "invalidate" : "placeholder");
+    KVCacheManager m(Model(2), SwaConfig({8, 0}, {{8, 4}, {64, 16}}, policy));
+    Add(m, 0, Iota(8));
+    for (TokenId t = 8; t < 12; ++t) m.AddToken(0, t);
+    EXPECT_EQ(m.GetCacheBlockIds(0, 8), (std::vector<BlockId>{N, 1, 2}));
+    EXPECT_TRUE(m.IsSequenceValidForReuse(0));
+    Add(m, 1, Iota(5, 100));
+    EXPECT_EQ(m.GetCacheBlockIds(1, 8), (std::vector<BlockId>{3, 0}));  // block 0 reclaimed
+    EXPECT_FALSE(m.IsSequenceValidForReuse(0));
+    EXPECT_TRUE(m.IsSequenceValidForReuse(1));
+    m.RemoveSequence(1);
+    for (TokenId t = 12; t < 16; ++t) m.AddToken(0, t);  // re-acquires block 0 itself
+    EXPECT_EQ(m.GetCacheBlockIds(0, 8), (std::vector<BlockId>{N, N, 2, 0}));
+    EXPECT_FALSE(m.IsSequenceValidForReuse(0));  // sticky
+    const std::int64_t nodes_before = m.GetStats().num_cached_nodes;
+    m.RemoveSequence(0);
+    m.CheckInvariants();
+    if (policy == SwaReusePolicy::kInvalidate) {
+      EXPECT_EQ(m.GetStats().num_cached_nodes, nodes_before);  // stored nothing
+      EXPECT_EQ(Add(m, 2, Iota(16)), 0);
+    } else {
+      // Stored: the full-attention chain, and window 8's blocks except the reclaimed one
+      // (a placeholder keeps the chain). Window 8 needs tokens [7, 15) only.
+      EXPECT_EQ(m.GetStats().num_cached_nodes, nodes_before + 4);
+      EXPECT_EQ(Add(m, 2, Iota(16)), 15);
+      EXPECT_EQ(m.GetCacheBlockIds(2, 8), (std::vector<BlockId>{N, 1, 2, 0}));
+      EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{0, 1, 2, 5}));
+    }
+    m.CheckInvariants();
+  }
+}
+
+// Windows {8, 16, full}: a stored prompt longer than both sliding windows loses some sliding
+// blocks; the reused length is what every window can still serve from its last window.
+TEST(SwaReuseTest, ReuseNeedsOnlyTheLastWindowOfEachSlidingWindow) {
+  struct Case {
+    SwaReusePolicy policy;
+    std::int32_t low_start;  // prompt tokens [low_start, low_start + 8) get priority 10
+    std::int32_t low_end;
+    std::int32_t want;
+  };
+  const Case cases[] = {
+      {SwaReusePolicy::kPlaceholder, 0, 8, 23},   // window 8 lost positions 0, 1: not needed
+      // A sequence releases newest first, so position 1 is older than position 0 and goes first,
+      // dropping positions 1..5 of window 8 with it; their blocks, now scratch, go before 0.
+      {SwaReusePolicy::kInvalidate, 0, 8, 4},
+      {SwaReusePolicy::kPlaceholder, 16, 20, 16}, // window 8 lost position 4: needed past 16
+      {SwaReusePolicy::kInvalidate, 16, 20, 16},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "policy " << static_cast<int>(c.policy) << " low [" << c.low_start
+                                      << ", " << c.low_end << ")");
+    KVCacheManager m(Model(3), SwaConfig({8, 16, 0}, {{8, 8}, {16, 10}, {64, 20}}, c.policy));
+    SequenceOptions opts;
+    opts.priority_ranges = {PriorityRange{c.low_start, c.low_end, 10, 0}};
+    const auto prompt = Iota(24);
+    Add(m, 0, prompt, opts);
+    m.RemoveSequence(0);  // stores positions 0..5 (the last one partially) in every window
+    EXPECT_EQ(Reusable(m, prompt), 23);
+    Add(m, 1, Iota(16, 100));  // window 8: 2 scratch blocks, then the low-priority ones
+    EXPECT_EQ(Reusable(m, prompt), c.want);
+    m.RemoveSequence(1, /*store_for_reuse=*/false);
+    EXPECT_EQ(Add(m, 2, prompt), c.want);
+    const auto w8 = m.GetCacheBlockIds(2, 8);
+    const std::int32_t front = std::max(0, c.want - 8) / 4;
+    for (std::int32_t j = 0; j < 6; ++j) EXPECT_EQ(w8[static_cast<std::size_t>(j)] == N, j < front) << j;
+    m.CheckInvariants();
+  }
+}
+
+// Early reuse covers sliding windows: a running request's full prompt blocks serve another.
+TEST(SwaReuseTest, StoreContextBlocksCoversSlidingWindows) {
+  KVCacheManager m(Model(2), SwaConfig({8, 0}, {{8, 16}, {64, 16}}, SwaReusePolicy::kPlaceholder));
+  Add(m, 0, Iota(14));
+  EXPECT_EQ(m.StoreContextBlocks(0), 3);  // key of 13 tokens: three full blocks
+  EXPECT_EQ(m.StoreContextBlocks(0), 0);  // nothing new
+  EXPECT_EQ(Add(m, 1, Iota(14)), 12);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (std::vector<BlockId>{N, 1, 2, 4}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (std::vector<BlockId>{0, 1, 2, 4}));
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache

@@ -1,0 +1,194 @@
+// Seeded randomized operations with reuse on, priorities, a secondary pool and both sliding
+// window reuse policies, over windows {8, 16, full}. After every operation the invariants hold;
+// a failing call changes nothing; and on the host backend every reused token position holds
+// exactly the KV written for that token prefix (K and V are tagged with a hash of the prefix).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+#include "test_util.h"
+
+namespace kvcache {
+namespace {
+
+constexpr std::int32_t kTpb = 4;
+constexpr std::int32_t kMaxSeqLen = 64;
+
+struct Live {
+  std::vector<TokenId> tokens;
+  std::vector<std::uint32_t> tag;  // per position: hash of the token prefix (and LoRA)
+  std::optional<std::int64_t> lora;
+};
+
+std::uint32_t Mix(std::uint32_t h, std::uint32_t v) {
+  std::uint64_t x = (static_cast<std::uint64_t>(h) << 32 | v) * 0x9e3779b97f4a7c15ull;
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  return static_cast<std::uint32_t>(x >> 32) | 1u;  // never 0 (fresh memory is 0)
+}
+
+class ReuseRandomizedTest : public ::testing::TestWithParam<SwaReusePolicy> {
+ protected:
+  // Element of window w's layer for (block, kv, position-in-block): one head, head_dim 1, fp32.
+  std::uint32_t* Slot(KVCacheManager& m, std::size_t w, BlockId b, int kv, std::int32_t t) {
+    const LayerView v = m.GetLayerView(static_cast<std::int32_t>(w));  // layer i has window i
+    auto* base = static_cast<unsigned char*>(v.data);
+    return reinterpret_cast<std::uint32_t*>(base + b * v.strides[0] + kv * v.strides[1] + t * v.strides[3]);
+  }
+  void Write(KVCacheManager& m, SeqId id, const Live& s, std::int32_t p) {
+    const auto windows = m.window_sizes();
+    for (std::size_t w = 0; w < windows.size(); ++w) {
+      const BlockId b = m.GetCacheBlockIds(id, windows[w])[static_cast<std::size_t>(p / kTpb)];
+      ASSERT_NE(b, kNullBlock);
+      *Slot(m, w, b, 0, p % kTpb) = s.tag[static_cast<std::size_t>(p)];
+      *Slot(m, w, b, 1, p % kTpb) = ~s.tag[static_cast<std::size_t>(p)];
+    }
+  }
+};
+
+TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
+  ManagerConfig c = testing::Config({8, 16, 0}, kMaxSeqLen, {{8, 24}, {16, 30}, {64, 60}}, kTpb);
+  for (auto& kv : c.blocks_per_window) kv.second.secondary = 8;
+  c.enable_block_reuse = true;
+  c.swa_reuse_policy = GetParam();
+  c.max_draft_tokens = 2;
+  ModelSpec model = testing::Model(3, {1}, 1);
+  model.dtype = DType::kFloat32;
+  KVCacheManager m(model, c);
+  m.SetFakeTimeMs(0);
+  std::mt19937 rng(GetParam() == SwaReusePolicy::kInvalidate ? 7u : 8u);
+  std::vector<std::vector<TokenId>> bases(4);
+  for (auto& base : bases) {
+    for (int i = 0; i < 40; ++i) base.push_back(static_cast<TokenId>(rng() % 6));
+  }
+  std::map<SeqId, Live> live;
+  SeqId next_id = 0;
+  std::int64_t now = 0;
+  int failures = 0;
+  int hits = 0;
+  int reused_tokens_checked = 0;
+  auto pick = [&]() {
+    auto it = live.begin();
+    std::advance(it, std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(rng));
+    return it->first;
+  };
+  auto snapshot = [&]() {
+    std::vector<SeqId> ids;
+    for (const auto& kv : live) ids.push_back(kv.first);
+    auto s = testing::Take(m, ids);
+    const KvCacheStats st = m.GetStats();
+    return std::make_tuple(s, st.num_cached_nodes, st.reused_blocks, st.offloaded_blocks);
+  };
+  for (int op = 0; op < 10000; ++op) {
+    const auto before = snapshot();
+    const int kind = std::uniform_int_distribution<int>(0, 11)(rng);
+    bool threw = false;
+    try {
+      if (kind <= 2 || live.empty()) {
+        Live s;
+        const auto& base = bases[rng() % bases.size()];
+        const auto keep = std::uniform_int_distribution<std::size_t>(1, base.size())(rng);
+        s.tokens.assign(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(keep));
+        const auto tail = std::uniform_int_distribution<int>(0, 6)(rng);
+        for (int i = 0; i < tail; ++i) s.tokens.push_back(static_cast<TokenId>(rng() % 6));
+        if (rng() % 5 == 0) s.lora = 1;
+        SequenceOptions opts;
+        opts.extras.lora_task_id = s.lora;
+        if (rng() % 3 == 0) opts.priority = static_cast<int>(rng() % 101);
+        if (rng() % 4 == 0) opts.priority_ranges = {PriorityRange{0, 8, static_cast<int>(rng() % 101), 5}};
+        std::uint32_t h = s.lora.has_value() ? 77u : 1u;
+        for (const TokenId t : s.tokens) s.tag.push_back(h = Mix(h, static_cast<std::uint32_t>(t)));
+        const SeqId id = next_id++;
+        const std::int32_t reused = m.AddSequence(id, s.tokens.data(), s.tokens.size(), opts);
+        ASSERT_LT(reused, static_cast<std::int32_t>(s.tokens.size()));
+        ASSERT_EQ(reused, m.GetRequestStats(id).reused_tokens);
+        if (reused > 0) ++hits;
+        // Every reused position that a window still holds carries exactly this prefix's KV.
+        const auto windows = m.window_sizes();
+        for (std::size_t w = 0; w < windows.size(); ++w) {
+          const auto blocks = m.GetCacheBlockIds(id, windows[w]);
+          for (std::int32_t p = 0; p < reused; ++p) {
+            const BlockId b = blocks[static_cast<std::size_t>(p / kTpb)];
+            if (windows[w] < kMaxSeqLen && p < reused - windows[w]) continue;
+            ASSERT_NE(b, kNullBlock) << "window " << windows[w] << " position " << p;
+            ASSERT_EQ(*Slot(m, w, b, 0, p % kTpb), s.tag[static_cast<std::size_t>(p)])
+                << "op " << op << " window " << windows[w] << " position " << p;
+            ASSERT_EQ(*Slot(m, w, b, 1, p % kTpb), ~s.tag[static_cast<std::size_t>(p)]);
+            ++reused_tokens_checked;
+          }
+        }
+        for (std::int32_t p = reused; p < static_cast<std::int32_t>(s.tokens.size()); ++p) Write(m, id, s, p);
+        live[id] = std::move(s);
+      } else if (kind <= 6) {
+        std::vector<SeqId> batch;
+        for (const auto& kv : live) {
+          if (static_cast<std::int32_t>(kv.second.tokens.size()) < kMaxSeqLen && rng() % 3 != 0) {
+            batch.push_back(kv.first);
+          }
+        }
+        std::vector<TokenId> toks;
+        for (std::size_t i = 0; i < batch.size(); ++i) toks.push_back(static_cast<TokenId>(rng() % 6));
+        m.AddTokens(batch.data(), toks.data(), batch.size());
+        for (std::size_t i = 0; i < batch.size(); ++i) {
+          Live& s = live[batch[i]];
+          s.tokens.push_back(toks[i]);
+          s.tag.push_back(Mix(s.tag.back(), static_cast<std::uint32_t>(toks[i])));
+          Write(m, batch[i], s, static_cast<std::int32_t>(s.tokens.size()) - 1);
+        }
+      } else if (kind == 7) {
+        const SeqId id = pick();
+        Live& s = live[id];
+        const auto n = std::uniform_int_distribution<std::int32_t>(
+            0, std::min<std::int32_t>(2, static_cast<std::int32_t>(s.tokens.size()) - 1))(rng);
+        m.Rewind(id, n);
+        s.tokens.resize(s.tokens.size() - static_cast<std::size_t>(n));
+        s.tag.resize(s.tokens.size());
+      } else if (kind == 8) {
+        m.StoreContextBlocks(pick());
+      } else if (kind == 9) {
+        now += static_cast<std::int64_t>(rng() % 4);
+        m.SetFakeTimeMs(now);
+        m.RefreshBlocks();
+      } else {
+        const SeqId id = pick();
+        m.RemoveSequence(id, /*store_for_reuse=*/rng() % 8 != 0);
+        live.erase(id);
+      }
+    } catch (const OutOfBlocksError&) {
+      threw = true;
+    } catch (const std::invalid_argument&) {
+      threw = true;  // a rewind into released blocks
+    }
+    if (threw) {
+      ++failures;
+      ASSERT_TRUE(snapshot() == before) << "failed op " << op << " changed state";
+    }
+    ASSERT_NO_THROW(m.CheckInvariants()) << "after op " << op;
+    for (const auto& [id, s] : live) ASSERT_EQ(m.NumTokens(id), static_cast<std::int32_t>(s.tokens.size()));
+  }
+  EXPECT_GT(failures, 0);
+  EXPECT_GT(hits, 500);
+  EXPECT_GT(reused_tokens_checked, 10000);
+  EXPECT_GT(m.GetStats().offloaded_blocks, 0);
+  EXPECT_GT(m.GetStats().onboarded_blocks, 0);
+  for (const auto& kv : live) m.RemoveSequence(kv.first);
+  for (const auto& [w, counts] : c.blocks_per_window) EXPECT_EQ(m.GetNumFreeBlocks(w), counts.primary);
+  m.CheckInvariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, ReuseRandomizedTest,
+                         ::testing::Values(SwaReusePolicy::kInvalidate, SwaReusePolicy::kPlaceholder),
+                         [](const ::testing::TestParamInfo<SwaReusePolicy>& param) {
+                           return std::string(param.param == SwaReusePolicy::kInvalidate ? "invalidate"
+                                                                                         : "placeholder");
+                         });
+
+}  // namespace
+}  // namespace kvcache
