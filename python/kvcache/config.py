@@ -336,6 +336,9 @@ class KvCacheConfig:
             :func:`kvcache.sizing.window_size_shares`). Number lists are stored as tuples.
         event_buffer_max_size: Events kept for ``get_latest_events`` (0 disables events).
         swa_reuse_policy: ``"invalidate"`` or ``"placeholder"``.
+        expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
+            share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
+            real length rather than the maximum gives sliding windows their fair share.
         backend: ``"auto"``, ``"cuda"``, ``"host"`` or ``"virtual"``.
 
     Raises:
@@ -364,6 +367,7 @@ class KvCacheConfig:
     event_buffer_max_size: int = 0
     swa_reuse_policy: str = "invalidate"
     backend: str = "auto"
+    expected_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
@@ -371,6 +375,7 @@ class KvCacheConfig:
             self, "max_attention_window", _check_window_pattern(self.max_attention_window)
         )
         _optional_positive_int("max_tokens", self.max_tokens)
+        _optional_positive_int("expected_seq_len", self.expected_seq_len)
         frac = self.free_gpu_memory_fraction
         if (
             isinstance(frac, bool)

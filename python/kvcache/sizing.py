@@ -353,7 +353,7 @@ def blocks_per_window(
         primary_bytes: Budget for primary (device) blocks.
         secondary_bytes: Budget for secondary (host) blocks.
         expected_seq_len: Typical sequence length for the ``"auto"`` policy (default
-            ``max_seq_len``).
+            ``config.expected_seq_len``, else ``max_seq_len``).
 
     Returns:
         Window -> ``(primary_blocks, secondary_blocks)``, ascending window order.
@@ -384,7 +384,9 @@ def blocks_per_window(
         policy,
         source,
         max_seq_len=max_seq_len,
-        expected_seq_len=expected_seq_len,
+        expected_seq_len=expected_seq_len
+        if expected_seq_len is not None
+        else config.expected_seq_len,
         tokens_per_block=tpb,
     )
     windows = list(bpt)

@@ -119,6 +119,7 @@ def test_kv_defaults_match_api() -> None:
         "event_buffer_max_size": 0,
         "swa_reuse_policy": "invalidate",
         "backend": "auto",
+        "expected_seq_len": None,
     }
 
 

@@ -405,3 +405,24 @@ def test_format_size() -> None:
     assert format_size(100) == "100 B"
     assert format_size(300 * 2**20) == "300 MiB"
     assert format_size(5 * 2**40) == "5.00 TiB"
+
+
+def test_auto_uses_the_config_expected_seq_len() -> None:
+    """``KvCacheConfig.expected_seq_len`` sizes "auto" like the keyword does; the keyword wins."""
+    model = ModelConfig(num_layers=6, num_kv_heads=1, head_dim=16)
+    base = KvCacheConfig(
+        tokens_per_block=32, max_attention_window=[1024] * 5 + [None], window_size_shares="auto"
+    )
+    cfg = KvCacheConfig.from_dict({**base.to_dict(), "expected_seq_len": 2048})
+    budget = 64 * 1024 * 1024
+    from_config = blocks_per_window(model, cfg, 32768, budget)
+    from_keyword = blocks_per_window(model, base, 32768, budget, expected_seq_len=2048)
+    assert from_config == from_keyword
+    assert from_config != blocks_per_window(model, base, 32768, budget)
+    # auto at 2048: 5 layers x (1024 + 32) : 1 layer x 2048 -> 5280 : 2048 of 64 MiB
+    assert from_config[1024][0] == 64 * 1024 * 1024 * 5280 // 7328 // (5 * 64 * 32)
+    assert blocks_per_window(model, cfg, 32768, budget, expected_seq_len=32768) == (
+        blocks_per_window(model, base, 32768, budget)
+    )
+    with pytest.raises(ValueError, match="expected_seq_len"):
+        KvCacheConfig(expected_seq_len=0)
