@@ -77,13 +77,19 @@ class CudaBackend final : public MemoryBackend {
     Check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault,
                             stream_),
           "cudaMemcpy2DAsync");
+    pending_ = true;
   }
 
-  void Synchronize() override { Check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+  void Synchronize() override {
+    if (!pending_) return;
+    Check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    pending_ = false;
+  }
 
  private:
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
+  bool pending_ = false;  // copies issued since the last Synchronize
 };
 
 }  // namespace

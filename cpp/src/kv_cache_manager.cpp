@@ -398,6 +398,9 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
     seq.missed_blocks += missed_w;
     seq.new_blocks += fresh;
   }
+  // Onboards, partial copies and offloads must land before the engine reads or overwrites
+  // these blocks: the call returns with every copy complete.
+  backend_->Synchronize();
   return reused;
 }
 
@@ -470,6 +473,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     c.alloc_total += need;
     c.alloc_new += need;
   }
+  backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
 }
 
 void KVCacheManager::RemoveSequence(SeqId id, bool store_for_reuse, bool pin) {
@@ -538,6 +542,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
       blocks[keep - 1] = own;
     }
   }
+  backend_->Synchronize();
   seq.tokens.resize(static_cast<std::size_t>(new_len));
   seq.num_tokens = new_len;
 }

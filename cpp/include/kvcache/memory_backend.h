@@ -28,7 +28,7 @@ class MemoryBackend {
   virtual void Copy2D(void* dst, CacheLevel dst_level, std::size_t dst_pitch, const void* src,
                       CacheLevel src_level, std::size_t src_pitch, std::size_t width,
                       std::size_t rows) = 0;
-  /// Waits until every copy issued so far has completed.
+  /// Waits until every copy issued so far has completed (cheap when none is pending).
   virtual void Synchronize() = 0;
 };
 
