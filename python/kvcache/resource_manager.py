@@ -22,6 +22,16 @@ a block takes one more block in every window; and after each appended token a sl
 window ``w`` releases the front blocks whose positions are all below
 ``num_tokens - w - max_draft_tokens`` (released before anything is allocated).
 
+With block reuse on, a prompt's registration takes exactly what
+``KVCacheManager.get_num_blocks_to_allocate`` says (blocks that other running requests hold
+cost nothing), and a sliding window ``w`` gets no block for the first
+``max(0, R - w) // tokens_per_block`` positions, ``R`` being the reused length. A block of a
+sliding window that several running requests share is freed only when its last holder
+releases it; the estimates credit releases per request, so
+:meth:`KVCacheResourceManager.get_num_shared_blocks` counts the extra holdings that the
+scheduler must keep in reserve (see
+:meth:`~KVCacheResourceManager.get_remaining_blocks_to_completion`).
+
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
     >>> model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=8)
@@ -337,7 +347,11 @@ class _SeqState:
 
     kv_len: int  # tokens in the cache
     hwm: int  # most tokens the cache ever held for it (sliding windows release by this)
-    front: list[int]  # released front blocks per window (ascending windows)
+    front: list[int]  # released (or never allocated) front blocks per window (ascending)
+    # With reuse: the block ids of the positions registered by add_sequence, per window
+    # that can release blocks (None elsewhere). Only these can be shared with other
+    # requests; blocks of generated tokens are private while the request runs.
+    ids: list[list[int] | None] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------
@@ -364,7 +378,21 @@ class KVCacheResourceManager:
         self._keep = [w + self._max_draft for w in self._windows]
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
         self._seqs: dict[int, _SeqState] = {}
-        self._reuse = bool(getattr(getattr(manager, "config", None), "enable_block_reuse", False))
+        reuse = getattr(manager, "reuse_enabled", None)
+        if reuse is None:
+            reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
+        self._reuse = bool(reuse)
+        # Windows that can release blocks while a sequence runs (keep < max_seq_len).
+        self._releasing = [keep < self._max_seq_len for keep in self._keep]
+        # With reuse, per releasing window: holders of each shared-able block among the
+        # registered requests, and the extra holdings (sum of holders - 1).
+        self._holders: list[dict[int, int]] = [{} for _ in self._windows]
+        config = getattr(manager, "config", None)
+        copies = bool(getattr(config, "enable_partial_reuse", True)) and bool(
+            getattr(config, "copy_on_partial_reuse", True)
+        )
+        self._copy_slack = 1 if self._reuse and copies else 0
+        self._shared: list[int] = [0] * len(self._windows)
 
     @classmethod
     def from_blocks(
@@ -522,7 +550,7 @@ class KVCacheResourceManager:
         if request.request_id not in self._seqs:
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
-        del self._seqs[request.request_id]
+        self._drop_holdings(self._seqs.pop(request.request_id))
 
     # ------------------------------------------------------------------ estimates
 
@@ -535,19 +563,30 @@ class KVCacheResourceManager:
         return _ceil_div(seq.kv_len, self._tpb) - seq.front[i]
 
     def get_needed_blocks_one_step(
-        self, request: Request, window_size: int, *, credit_releases: bool = False
+        self,
+        request: Request,
+        window_size: int,
+        *,
+        credit_releases: bool = False,
+        use_reuse: bool = True,
     ) -> int:
-        """Blocks the request's next step allocates in a window.
+        """Free blocks the request's next step takes from a window.
 
-        * a context request's first chunk: ``ceil(len(context_tokens) / tokens_per_block)``
-          (its whole prompt, in every window);
+        * a context request's first chunk: the blocks registering its whole
+          :meth:`Request.context_tokens` take, ``ceil(len / tokens_per_block)`` without reuse;
+          with reuse on (and ``use_reuse``) exactly ``get_num_blocks_to_allocate`` of the
+          manager now (reused blocks held by running requests cost nothing, a sliding
+          window needs nothing before ``reused - window``);
         * a generation request: the new blocks its newest token and its usable drafts
           (:meth:`num_draft_tokens_for`) start;
         * anything else: 0.
 
         With ``credit_releases`` the blocks its sliding windows release during the step are
         subtracted (at the step's worst point), which is what the step really takes from
-        the free pool; the native ``add_tokens`` credits them the same way.
+        the free pool; the native ``add_tokens`` credits them the same way. A released block
+        that another running request also holds frees nothing and is not credited.
+        ``use_reuse=False`` gives the estimate without reuse, an upper bound whatever the
+        cache holds by the time the request registers.
 
         Example:
             A request holding 10 tokens at a 4-token block size holds 3 blocks; its next token
@@ -558,23 +597,27 @@ class KVCacheResourceManager:
         if seq is None:
             if request.state in (RequestState.FINISHED, RequestState.FAILED):
                 return 0
-            return _ceil_div(request.context_len, self._tpb)
-        if request.state is not RequestState.GENERATION:
-            return 0
-        k = 1 + self.num_draft_tokens_for(request)
-        if not credit_releases:
-            return _ceil_div(seq.kv_len + k, self._tpb) - _ceil_div(seq.kv_len, self._tpb)
-        live = _ceil_div(seq.kv_len, self._tpb) - seq.front[i]
-        peak = peak_live_blocks(
-            seq.kv_len + 1,
-            seq.kv_len + k,
-            keep=self._keep[i],
-            tokens_per_block=self._tpb,
-            front=seq.front[i],
-        )
-        return max(0, peak - live)
+            return self._registration(request, use_reuse)[1][i]
+        return self._step_need(request, seq, i, credit_releases)
 
-    def get_remaining_blocks_to_completion(self, request: Request, window_size: int) -> int:
+    def get_needed_blocks_per_window(
+        self, request: Request, *, credit_releases: bool = False, use_reuse: bool = True
+    ) -> dict[int, int]:
+        """:meth:`get_needed_blocks_one_step` for every window (one reuse lookup)."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None:
+            if request.state in (RequestState.FINISHED, RequestState.FAILED):
+                return dict.fromkeys(self._windows, 0)
+            cost = self._registration(request, use_reuse)[1]
+            return dict(zip(self._windows, cost, strict=True))
+        return {
+            w: self._step_need(request, seq, i, credit_releases)
+            for i, w in enumerate(self._windows)
+        }
+
+    def get_remaining_blocks_to_completion(
+        self, request: Request, window_size: int, *, use_reuse: bool = True
+    ) -> int:
         """Free blocks the request may still take from a window before it finishes.
 
         The peak of the blocks it will hold (its whole context at registration, then the
@@ -582,8 +625,14 @@ class KVCacheResourceManager:
         :attr:`Request.max_kv_tokens`) minus what it holds now. A sliding window never needs
         more than ``ceil(keep / tokens_per_block) + 1`` blocks once the sequence is longer
         than ``keep`` = window + ``max_draft_tokens``. Releases are credited: the sum of this
-        over running requests never exceeds the free blocks, which is what
-        ``guaranteed_no_evict`` scheduling keeps true.
+        over running requests plus :meth:`get_num_shared_blocks` never exceeds the free
+        blocks, which is what ``guaranteed_no_evict`` scheduling keeps true.
+
+        With reuse on (and ``use_reuse``), a request not registered yet is charged what
+        registering takes now (``get_num_blocks_to_allocate``) plus its growth; in a window
+        that releases blocks, reused blocks that running requests hold are charged too,
+        because sharing them adds to :meth:`get_num_shared_blocks` (their holders' release
+        credits become void). In isolation this is exactly the peak of the free blocks taken.
 
         Example:
             Window 8, 4-token blocks, a 10-token prompt generating 20 tokens (29 cached at
@@ -592,26 +641,45 @@ class KVCacheResourceManager:
             ``ceil(29 / 4) = 8``.
         """
         i = self._index(window_size)
-        tpb = self._tpb
-        final = request.max_kv_tokens
         seq = self._seqs.get(request.request_id)
         if seq is None:
             if request.state in (RequestState.FINISHED, RequestState.FAILED):
                 return 0
-            n = request.context_len
-            peak = _ceil_div(n, tpb)
-            if final > n:
-                peak = max(
-                    peak, peak_live_blocks(n + 1, final, keep=self._keep[i], tokens_per_block=tpb)
-                )
-            return peak
-        live = _ceil_div(seq.kv_len, tpb) - seq.front[i]
-        if final <= seq.kv_len:
-            return 0
-        peak = peak_live_blocks(
-            seq.kv_len + 1, final, keep=self._keep[i], tokens_per_block=tpb, front=seq.front[i]
-        )
-        return max(0, peak - live)
+            front, cost = self._registration(request, use_reuse)
+            return self._remaining_new(request, i, front[i], cost[i])
+        return self._remaining_registered(request, seq, i)
+
+    def get_remaining_blocks_per_window(
+        self, request: Request, *, use_reuse: bool = True
+    ) -> dict[int, int]:
+        """:meth:`get_remaining_blocks_to_completion` for every window (one reuse lookup)."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None:
+            if request.state in (RequestState.FINISHED, RequestState.FAILED):
+                return dict.fromkeys(self._windows, 0)
+            front, cost = self._registration(request, use_reuse)
+            return {
+                w: self._remaining_new(request, i, front[i], cost[i])
+                for i, w in enumerate(self._windows)
+            }
+        return {w: self._remaining_registered(request, seq, i) for i, w in enumerate(self._windows)}
+
+    def get_blocks_to_run_alone(self, request: Request) -> dict[int, int]:
+        """Per window, the most blocks the request holds from registration to completion
+        without reuse: what it needs from an otherwise empty pool (the scheduler rejects a
+        request for which this exceeds a window's pool)."""
+        nb = _ceil_div(request.context_len, self._tpb)
+        return {w: self._remaining_new(request, i, 0, nb) for i, w in enumerate(self._windows)}
+
+    def get_num_shared_blocks(self, window_size: int) -> int:
+        """Extra holdings of blocks that several registered requests share in a window that
+        releases blocks: the sum over such blocks of (holders - 1); 0 in windows that never
+        release (full attention) or without reuse.
+
+        Each holder's estimates credit the release of a shared block, but only the last
+        release frees it, so the scheduler keeps this many blocks in reserve.
+        """
+        return self._shared[self._index(window_size)]
 
     def get_num_free_blocks(self, window_size: int | None = None) -> int:
         """Primary blocks that can be handed out now; without a window the minimum over
@@ -635,6 +703,117 @@ class KVCacheResourceManager:
                 f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
             ) from None
 
+    def _reuse_kwargs(self, request: Request) -> dict[str, Any]:
+        return {
+            "lora_task_id": request.lora_task_id,
+            "cache_salt": request.cache_salt,
+            "multimodal": request.multimodal,
+        }
+
+    def _registration(self, request: Request, use_reuse: bool) -> tuple[list[int], list[int]]:
+        """(front, cost) per window of registering the request's context now: the leading
+        positions that get no block, and the free blocks taken."""
+        nb = _ceil_div(request.context_len, self._tpb)
+        k = len(self._windows)
+        if not self._reuse:
+            return [0] * k, [nb] * k
+        if not use_reuse:
+            # Whatever the cache holds then: at most every block, plus the source of a
+            # partial copy that is held while its copy is taken.
+            return [0] * k, [nb + self._copy_slack] * k
+        tokens = request.context_tokens()
+        kwargs = self._reuse_kwargs(request)
+        reused = int(self._manager.get_reusable_prefix_length(tokens, **kwargs))
+        if reused == 0:
+            return [0] * k, [nb] * k
+        cost = self._manager.get_num_blocks_to_allocate(tokens, **kwargs)
+        front = [max(0, reused - w) // self._tpb for w in self._windows]
+        return front, [int(cost[w]) for w in self._windows]
+
+    def _remaining_new(self, request: Request, i: int, front: int, cost: int) -> int:
+        tpb = self._tpb
+        n = request.context_len
+        nb = _ceil_div(n, tpb)
+        final = request.max_kv_tokens
+        if not self._releasing[i]:
+            return cost + max(0, _ceil_div(final, tpb) - nb)
+        # Holding nb - front blocks after registration: what it takes plus the reused blocks
+        # that running requests hold (their release credits become shared holdings).
+        peak = nb - front
+        if final > n:
+            peak = max(
+                peak,
+                peak_live_blocks(
+                    n + 1, final, keep=self._keep[i], tokens_per_block=tpb, front=front
+                ),
+            )
+        return max(peak, cost)
+
+    def _remaining_registered(self, request: Request, seq: _SeqState, i: int) -> int:
+        tpb = self._tpb
+        final = request.max_kv_tokens
+        if final <= seq.kv_len:
+            return 0
+        live = _ceil_div(seq.kv_len, tpb) - seq.front[i]
+        peak = peak_live_blocks(
+            seq.kv_len + 1, final, keep=self._keep[i], tokens_per_block=tpb, front=seq.front[i]
+        )
+        return max(0, peak - live)
+
+    def _step_need(self, request: Request, seq: _SeqState, i: int, credit_releases: bool) -> int:
+        if request.state is not RequestState.GENERATION:
+            return 0
+        tpb = self._tpb
+        k = 1 + self.num_draft_tokens_for(request)
+        new = _ceil_div(seq.kv_len + k, tpb) - _ceil_div(seq.kv_len, tpb)
+        if not credit_releases:
+            return new
+        live = _ceil_div(seq.kv_len, tpb) - seq.front[i]
+        peak = peak_live_blocks(
+            seq.kv_len + 1,
+            seq.kv_len + k,
+            keep=self._keep[i],
+            tokens_per_block=tpb,
+            front=seq.front[i],
+        )
+        need = max(0, peak - live)
+        ids = seq.ids[i] if seq.ids else None
+        if ids is not None:
+            # Releasing a block that another request holds frees nothing: no credit.
+            target = min(_released(max(seq.hwm, seq.kv_len + k), self._keep[i], tpb), len(ids))
+            holders = self._holders[i]
+            shared = sum(1 for j in range(seq.front[i], target) if holders[ids[j]] > 1)
+            if shared:
+                need = min(new, need + shared)
+        return need
+
+    def _add_holdings(self, seq: _SeqState) -> None:
+        for i, ids in enumerate(seq.ids):
+            if ids is None:
+                continue
+            holders = self._holders[i]
+            for j in range(seq.front[i], len(ids)):
+                b = ids[j]
+                c = holders.get(b, 0)
+                holders[b] = c + 1
+                if c:
+                    self._shared[i] += 1
+
+    def _release_holding(self, i: int, block: int) -> None:
+        holders = self._holders[i]
+        c = holders[block]
+        if c == 1:
+            del holders[block]
+        else:
+            holders[block] = c - 1
+            self._shared[i] -= 1
+
+    def _drop_holdings(self, seq: _SeqState) -> None:
+        for i, ids in enumerate(seq.ids):
+            if ids is not None:
+                for j in range(seq.front[i], len(ids)):
+                    self._release_holding(i, ids[j])
+
     def _add_sequence(self, request: Request) -> None:
         if request.state not in (RequestState.WAITING, RequestState.PAUSED):
             raise ValueError(
@@ -651,19 +830,20 @@ class KVCacheResourceManager:
             self._manager.add_sequence(
                 request.request_id,
                 tokens,
-                lora_task_id=request.lora_task_id,
-                cache_salt=request.cache_salt,
-                multimodal=request.multimodal,
                 priority=request.priority,
+                **self._reuse_kwargs(request),
             )
         )
-        front = [0] * len(self._windows)
-        if reused > 0:
-            # Reuse may leave a sliding window's out-of-window prefix unallocated.
+        # With reuse, a sliding window gets no block before reused - window.
+        front = [max(0, reused - w) // self._tpb for w in self._windows]
+        ids: list[list[int] | None] = [None] * len(self._windows)
+        if self._reuse:
             for i, w in enumerate(self._windows):
-                ids = self._manager.get_cache_block_ids(request.request_id, w)
-                front[i] = next((k for k, b in enumerate(ids) if b >= 0), len(ids))
-        self._seqs[request.request_id] = _SeqState(len(tokens), len(tokens), front)
+                if self._releasing[i]:
+                    ids[i] = list(self._manager.get_cache_block_ids(request.request_id, w))
+        seq = _SeqState(len(tokens), len(tokens), front, ids)
+        self._add_holdings(seq)
+        self._seqs[request.request_id] = seq
         request.reused_tokens = reused
         request.state = RequestState.CONTEXT
 
@@ -710,6 +890,10 @@ class KVCacheResourceManager:
             for i, keep in enumerate(self._keep):
                 released = _released(seq.hwm, keep, self._tpb)
                 if released > seq.front[i]:
+                    ids = seq.ids[i]
+                    if ids is not None:
+                        for j in range(seq.front[i], min(released, len(ids))):
+                            self._release_holding(i, ids[j])
                     seq.front[i] = released
 
     def _roll_back(self, added: list[Request], grown: list[tuple[Request, int]]) -> None:
@@ -718,7 +902,7 @@ class KVCacheResourceManager:
             self._seqs[request.request_id].kv_len -= count
         for request in reversed(added):
             self._manager.remove_sequence(request.request_id, store_for_reuse=False)
-            del self._seqs[request.request_id]
+            self._drop_holdings(self._seqs.pop(request.request_id))
             request.state = RequestState.WAITING if request.num_pauses == 0 else RequestState.PAUSED
             request.reused_tokens = 0
 

@@ -15,6 +15,15 @@ Both admit in the order given (first come, first served; no overtaking), respect
 manager's ``max_batch_size`` and an optional token budget per step, and reject requests
 that could never fit (longer than ``max_seq_len`` or than a window's whole pool).
 
+With block reuse on, admission counts reusable blocks: the first request admitted in a step
+is charged exactly what registering its prompt takes now (cached prefix blocks that running
+requests hold cost nothing). Later admissions of the same step are charged as without
+reuse, because the blocks the earlier ones allocate may evict cached blocks the later ones
+hoped to reuse. ``guaranteed_no_evict`` also keeps in reserve the extra holdings of sliding
+window blocks that several running requests share
+(:meth:`KVCacheResourceManager.get_num_shared_blocks`): only the last holder's release frees
+such a block.
+
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
     >>> from kvcache.resource_manager import KVCacheResourceManager, Request
@@ -128,17 +137,15 @@ class CapacityScheduler:
         running = [r for r in requests if r.state in _RUNNING and rm.has_request(r)]
         waiting = [r for r in requests if r.state in _WAITING]
 
-        if self._policy == "guaranteed_no_evict":
-            budget = {
-                w: rm.get_num_free_blocks(w)
-                - sum(rm.get_remaining_blocks_to_completion(r, w) for r in running)
-                for w in windows
-            }
+        guaranteed = self._policy == "guaranteed_no_evict"
+        if guaranteed:
+            budget = {w: rm.get_num_free_blocks(w) - rm.get_num_shared_blocks(w) for w in windows}
+            for r in running:
+                for w, n in rm.get_remaining_blocks_per_window(r).items():
+                    budget[w] -= n
         else:
             step_need = {
-                r.request_id: {
-                    w: rm.get_needed_blocks_one_step(r, w, credit_releases=True) for w in windows
-                }
+                r.request_id: rm.get_needed_blocks_per_window(r, credit_releases=True)
                 for r in running
             }
             total = {w: sum(n[w] for n in step_need.values()) for w in windows}
@@ -152,9 +159,7 @@ class CapacityScheduler:
                 free = {w: rm.get_num_free_blocks(w) for w in windows}
             budget = {w: free[w] - total[w] for w in windows}
         admit_need = (
-            rm.get_remaining_blocks_to_completion
-            if self._policy == "guaranteed_no_evict"
-            else rm.get_needed_blocks_one_step
+            rm.get_remaining_blocks_per_window if guaranteed else rm.get_needed_blocks_per_window
         )
 
         for r in running:
@@ -165,6 +170,7 @@ class CapacityScheduler:
         tokens = out.batch.num_tokens()
 
         blocked = bool(out.paused)  # no admissions in a step that had to pause
+        admitted = 0
         for r in waiting:
             if self._never_fits(r):
                 r.state = RequestState.FAILED
@@ -175,7 +181,8 @@ class CapacityScheduler:
                 out.waiting.append(r)
                 continue
             size = r.context_len - r.context_position
-            need = {w: admit_need(r, w) for w in windows}
+            # Exact reuse only for the first admission of the step (see the module doc).
+            need = admit_need(r, use_reuse=not admitted)
             fits_tokens = (
                 self._max_tokens is None or len(out.batch) == 0 or tokens + size <= self._max_tokens
             )
@@ -183,7 +190,16 @@ class CapacityScheduler:
                 for w in windows:
                     budget[w] -= need[w]
                 out.batch.add_context(r)
+                admitted += 1
                 tokens += size
+                self._fits_checked.pop(r.request_id, None)
+            elif not running and len(out.batch) == 0:
+                # Nothing runs, so nothing will change the pools or the cache: a request
+                # that does not fit now never will. (With reuse this can happen to a prompt
+                # that fits the pool without reuse: copying a partially matching cached
+                # block holds its source while the copy's block is taken.)
+                r.state = RequestState.FAILED
+                out.rejected.append(r)
                 self._fits_checked.pop(r.request_id, None)
             else:
                 blocked = True
@@ -197,8 +213,7 @@ class CapacityScheduler:
             return False
         rm = self._rm
         if r.max_kv_tokens > rm.max_seq_len or any(
-            rm.get_remaining_blocks_to_completion(r, w) > rm.num_primary_blocks(w)
-            for w in rm.window_sizes
+            n > rm.num_primary_blocks(w) for w, n in rm.get_blocks_to_run_alone(r).items()
         ):
             return True
         self._fits_checked[r.request_id] = r.context_len

@@ -27,10 +27,16 @@ def make_rm(
     blocks: int = 512,
     max_draft_tokens: int = 0,
     max_batch_size: int = 16,
+    reuse: bool = True,
+    swa_reuse_policy: str = "invalidate",
 ) -> KVCacheResourceManager:
     """One sliding window and one full-attention window."""
     config = KvCacheConfig(
-        tokens_per_block=tpb, max_attention_window=[window, None], backend="virtual"
+        tokens_per_block=tpb,
+        max_attention_window=[window, None],
+        backend="virtual",
+        enable_block_reuse=reuse,
+        swa_reuse_policy=swa_reuse_policy,
     )
     return KVCacheResourceManager.from_blocks(
         MODEL,
@@ -157,7 +163,7 @@ CASES = [
 def test_estimates_equal_actual_allocations(
     window: int, tpb: int, prompts: list[int], news: list[int]
 ) -> None:
-    rm = make_rm(window, tpb)
+    rm = make_rm(window, tpb, reuse=False)
     rid = 0
     for p in prompts:
         for n in news:
@@ -180,6 +186,76 @@ def test_estimates_equal_actual_allocations(
             assert rm.get_num_free_blocks() == 512
 
 
+def _shared_prefix_prompts(rng: random.Random, window: int, tpb: int) -> list[list[int]]:
+    """Prompts that share prefixes: a few system prompts (some longer than the window)
+    followed by user text, and later turns that extend an earlier prompt."""
+    systems = [[rng.randrange(1, 50) for _ in range(n)] for n in (tpb + 1, window + 2 * tpb + 1)]
+    systems.append(systems[1][: window + tpb])  # a prefix of another system prompt
+    prompts: list[list[int]] = []
+    for _ in range(14):
+        if prompts and rng.random() < 0.4:  # a later turn: earlier prompt + answer + user
+            base = rng.choice(prompts)
+            extra = rng.randint(1, 3 * tpb)
+            prompt = base + [rng.randrange(1, 50) for _ in range(extra)]
+        else:
+            sys_prompt = rng.choice(systems)
+            prompt = sys_prompt + [rng.randrange(1, 50) for _ in range(rng.randint(0, 2 * tpb))]
+        prompts.append(prompt[:120])
+    return prompts
+
+
+@pytest.mark.parametrize("policy", ["invalidate", "placeholder"])
+@pytest.mark.parametrize(("window", "tpb"), [(8, 4), (6, 4), (5, 4), (46, 8)])
+def test_estimates_equal_actual_allocations_with_reuse(window: int, tpb: int, policy: str) -> None:
+    """Reuse on, requests one at a time: the estimates equal the free blocks really taken
+    (reused cached blocks cost one each, and a sliding window needs no block before
+    ``reused - window``)."""
+    rm = make_rm(window, tpb, swa_reuse_policy=policy)
+    rng = random.Random(window * 100 + tpb)
+    full = rm.window_sizes[-1]
+    reused_steps = front_steps = 0
+    for rid, prompt in enumerate(_shared_prefix_prompts(rng, window, tpb), 1):
+        n = rng.choice([1, 2, tpb + 1, 3 * window])
+        req = Request(rid, prompt=prompt, max_new_tokens=n)
+        free0 = {w: rm.get_num_free_blocks(w) for w in rm.window_sizes}
+        expected_reuse = rm.manager.get_reusable_prefix_length(prompt)
+        cost = rm.manager.get_num_blocks_to_allocate(prompt)
+        before, records = run_single(rm, req, seed=rid)
+        assert req.reused_tokens == expected_reuse
+        if req.reused_tokens:
+            reused_steps += 1
+        p = len(prompt)
+        for w in rm.window_sizes:
+            front = max(0, req.reused_tokens - w) // tpb
+            front_steps += front > 0
+            # What must be free to register is get_num_blocks_to_allocate: every position
+            # from `front` on (nobody else holds anything), plus, while a partially matching
+            # cached block is copied, that source block (released again right after).
+            transient = cost[w] - records[0].consumed[w]
+            assert transient in (0, 1), (w, rid)
+            if transient:
+                assert req.reused_tokens % tpb, (w, rid)
+            assert records[0].consumed[w] == records[0].live[w] == -(-p // tpb) - front
+            assert records[0].needed[w] == cost[w], (w, rid)
+            peak = max(rec.live[w] for rec in records)
+            if w == full:  # charged registration + growth: one too many after a copy
+                assert before[w] == peak + transient, (w, rid)
+            else:
+                assert before[w] == max(peak, cost[w]), (w, rid)
+            for i, rec in enumerate(records):
+                if i:
+                    assert rec.needed[w] == rec.allocated[w], (w, rid, i)
+                    assert rec.net[w] == max(0, rec.consumed[w]), (w, rid, i)
+                    held_before = records[i - 1].live[w]
+                    future_peak = max(r.live[w] for r in records[i:])
+                    assert rec.remaining[w] == max(0, future_peak - held_before), (w, rid, i)
+            assert rm.get_num_free_blocks(w) == free0[w] == 512
+        assert rm.get_num_shared_blocks(full) == rm.get_num_shared_blocks(window) == 0
+    assert reused_steps >= 5
+    assert front_steps >= 2  # some sliding-window hits skipped out-of-window blocks
+    assert rm.manager.get_kv_cache_stats().reused_blocks > 0
+
+
 def test_sliding_window_never_needs_more_than_window_plus_one_block() -> None:
     rm = make_rm(46, 8, max_seq_len=1024)
     req = Request(1, prompt=[1] * 10, max_new_tokens=900)
@@ -192,7 +268,7 @@ def test_sliding_window_never_needs_more_than_window_plus_one_block() -> None:
 @pytest.mark.parametrize(("drafts", "max_draft"), [(3, 3), (5, 5), (5, 2)])
 @pytest.mark.parametrize("prompt", [40, 46, 47, 53])
 def test_draft_tokens_estimates_bound_actual(drafts: int, max_draft: int, prompt: int) -> None:
-    rm = make_rm(46, 8, max_draft_tokens=max_draft)
+    rm = make_rm(46, 8, max_draft_tokens=max_draft, reuse=False)
     for seed in range(4):
         req = Request(100 + seed, prompt=[7] * prompt, max_new_tokens=70)
         before, records = run_single(rm, req, drafts=drafts, seed=seed)
