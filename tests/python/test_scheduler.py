@@ -307,3 +307,91 @@ def test_guaranteed_no_evict_rejects_what_exceeds_the_pool() -> None:
     engine = _long_run("guaranteed_no_evict", num_requests=300, seed=5, blocks={8: 24, 64: 12})
     assert engine.rejected  # e.g. 33-token prompts with long outputs need > 12 blocks
     assert all(r.state is RequestState.FAILED for r in engine.rejected)
+
+
+# ----------------------------------------------------------------------------- reuse
+
+
+def _reuse_run(policy: str, swa_policy: str, *, seed: int, num_requests: int = 500) -> Engine:
+    """Requests that share prefixes (system prompts longer than the window, later turns
+    extending earlier prompts) arrive while others run, so running requests share cached
+    blocks, including sliding-window blocks that they later release."""
+    rng = random.Random(seed)
+    config = KvCacheConfig(
+        tokens_per_block=4,
+        max_attention_window=[8, None],
+        backend="virtual",
+        swa_reuse_policy=swa_policy,
+    )
+    rm = KVCacheResourceManager.from_blocks(
+        MODEL, config, {8: 24, 64: 40}, max_seq_len=64, max_batch_size=12
+    )
+    engine = Engine(rm, CapacityScheduler(rm, policy), seed=seed + 1)
+    systems = [[rng.randrange(50) for _ in range(n)] for n in (6, 13, 17, 21)]
+    history: list[list[int]] = []
+    next_id = steps = max_shared = 0
+    while next_id < num_requests or engine.active:
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):
+            if next_id >= num_requests:
+                break
+            if history and rng.random() < 0.3:
+                base = rng.choice(history)
+            else:
+                base = rng.choice(systems)
+            prompt = (base + [rng.randrange(50) for _ in range(rng.randint(0, 9))])[:40]
+            n = rng.randint(1, 64 - len(prompt))
+            output = [rng.randrange(50) for _ in range(n)]
+            history.append((prompt + output)[:36])
+            engine.submit(Request(next_id, prompt=prompt, max_new_tokens=n), output)
+            next_id += 1
+        engine.step()
+        rm.manager.check_invariants()
+        max_shared = max(max_shared, rm.get_num_shared_blocks(8))
+        assert rm.get_num_shared_blocks(64) == 0  # full attention never releases early
+        steps += 1
+        assert steps < 100_000
+    for w in rm.window_sizes:
+        assert rm.get_num_free_blocks(w) == rm.num_primary_blocks(w)  # cached blocks are free
+    assert rm.get_num_shared_blocks(8) == 0
+    assert rm.manager.num_sequences == 0
+    assert len(engine.finished) + len(engine.rejected) == num_requests
+    for r in engine.finished:
+        assert r.generated == engine.outputs[r.request_id]
+    stats = rm.manager.get_kv_cache_stats()
+    assert stats.reused_blocks > 0
+    assert sum(r.reused_tokens for r in engine.finished) > 0
+    assert max_shared > 0  # running requests really shared sliding-window blocks
+    return engine
+
+
+@pytest.mark.parametrize("swa_policy", ["invalidate", "placeholder"])
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_long_run_with_shared_prefixes(policy: str, swa_policy: str) -> None:
+    engine = _reuse_run(policy, swa_policy, seed=21)
+    if policy == "guaranteed_no_evict":
+        assert engine.paused_events == 0  # shared blocks never made anyone run out
+
+
+def test_admission_counts_blocks_held_by_running_requests() -> None:
+    # Full window of 8 blocks: a 16-token prompt (4 blocks, 5 at the end) runs; the same
+    # prompt again only needs a fresh last block (the rest is held by the first), so it
+    # is admitted although 4 fresh blocks would not fit next to the first one's reservation.
+    rm = make_rm({8: 16, 64: 8})
+    sched = CapacityScheduler(rm, "guaranteed_no_evict")
+    prompt = list(range(1, 17))
+    a = Request(1, prompt=prompt, max_new_tokens=4)  # 19 tokens at most: 5 blocks
+    out = sched.schedule([a])
+    rm.prepare_resources(out.batch)
+    a.append_tokens([90])
+    rm.update_resources(out.batch)  # stores a's prompt blocks for early reuse
+    b = Request(2, prompt=prompt, max_new_tokens=1)
+    # early reuse stored blocks 0-2 (the last prompt token is never stored), all held by a:
+    # one fresh block
+    assert rm.get_remaining_blocks_to_completion(b, 64) == 1
+    # without looking at the cache: 4 blocks, plus the source a partial copy may hold
+    assert rm.get_remaining_blocks_to_completion(b, 64, use_reuse=False) == 5
+    out = sched.schedule([a, b])
+    assert ids(out.batch.context_requests) == [2]
+    rm.prepare_resources(out.batch)
+    assert b.reused_tokens == 12
+    rm.manager.check_invariants()
