@@ -380,6 +380,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_sim.add_argument("--seed", type=_non_negative_int, default=0, help="workload seed")
     p_sim.add_argument("--no-reuse", action="store_true", help="disable block reuse")
+    p_sim.add_argument(
+        "--swa-reuse-policy",
+        choices=["invalidate", "placeholder"],
+        default="invalidate",
+        help="reuse of sliding-window chains whose out-of-window blocks were reclaimed "
+        "(default: invalidate)",
+    )
+    p_sim.add_argument(
+        "--host-cache",
+        default=None,
+        metavar="SIZE",
+        help="host (secondary) memory for offloaded reusable blocks, e.g. 8GiB (default: none)",
+    )
     p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     p_sim.add_argument("--plot", default=None, metavar="FILE.png", help="plot pool use")
     p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")

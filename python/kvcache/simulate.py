@@ -301,6 +301,12 @@ class SimulationReport:
     reused_blocks: int
     offloaded_blocks: int
     onboarded_blocks: int
+    missed_blocks: int = 0
+    cache_hit_rate_per_window: dict[int, float] = field(default_factory=dict)
+    swa_reuse_policy: str = "invalidate"
+    host_cache_bytes: int = 0
+    secondary_blocks: dict[int, int] = field(default_factory=dict)
+    reuse_enabled: bool = True
     series: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def to_dict(self, *, with_series: bool = True) -> dict[str, Any]:
@@ -323,6 +329,13 @@ def format_report(r: SimulationReport) -> str:
         f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len:,}, "
         f"tokens_per_block {r.tokens_per_block}"
         + (f", {r.draft_tokens} draft tokens" if r.draft_tokens else ""),
+        "  block reuse "
+        + (
+            f"on (sliding windows: {r.swa_reuse_policy}), host cache "
+            + (format_size(r.host_cache_bytes) if r.host_cache_bytes else "none")
+            if r.reuse_enabled
+            else "off"
+        ),
         "",
         f"  {'window':>7} {'layers':>6} {'blocks':>9} {'tokens':>12} {'peak used':>16} "
         f"{'mean used':>10}",
@@ -348,14 +361,29 @@ def format_report(r: SimulationReport) -> str:
         f"  manager time/step   mean {_us(r.manager_us_per_step)}, p99 {_us(r.manager_us_p99)}; "
         f"scheduler {_us(r.scheduler_us_per_step)}",
     ]
-    if r.cache_hit_rate is None:
-        lines.append("  prefix reuse        not reported by this manager (no block reuse yet)")
+    if not r.reuse_enabled:
+        lines.append("  prefix reuse        off (--no-reuse)")
+    elif r.cache_hit_rate is None:
+        lines.append("  prefix reuse        no prompt block was looked up")
     else:
-        lines.append(
-            f"  prefix reuse        hit rate {r.cache_hit_rate:.1%}, {r.reused_blocks:,} blocks, "
-            f"{r.reused_tokens:,} prompt tokens reused; offloaded {r.offloaded_blocks:,}, "
-            f"onboarded {r.onboarded_blocks:,}"
+        per_window = ", ".join(
+            f"window {w:,} {rate:.1%}" for w, rate in sorted(r.cache_hit_rate_per_window.items())
         )
+        lines += [
+            f"  prefix reuse        hit rate {r.cache_hit_rate:.1%} ({per_window})",
+            f"                      {r.reused_blocks:,} blocks reused, {r.missed_blocks:,} missed",
+            f"                      {r.reused_tokens:,} prompt tokens reused "
+            f"({r.reused_tokens / max(r.context_tokens, 1):.1%} of context tokens)",
+            f"  host offload        offloaded {r.offloaded_blocks:,} blocks, onboarded "
+            f"{r.onboarded_blocks:,}"
+            + (
+                " (secondary blocks: "
+                + ", ".join(f"{w:,}: {n:,}" for w, n in sorted(r.secondary_blocks.items()))
+                + ")"
+                if r.host_cache_bytes
+                else " (no host cache: --host-cache SIZE)"
+            ),
+        ]
     lines.append(f"  wall time           {r.wall_seconds:.1f} s")
     return "\n".join(lines)
 
@@ -472,6 +500,8 @@ def simulate(
     tokens_per_block: int = 32,
     max_num_tokens: int | None = 8192,
     enable_block_reuse: bool = True,
+    swa_reuse_policy: str = "invalidate",
+    host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
     draft_tokens: int = 0,
     draft_acceptance: float = 0.6,
@@ -492,7 +522,13 @@ def simulate(
             context).
         tokens_per_block: Block size.
         max_num_tokens: Token budget per step for admitting prompts (``None``: unlimited).
-        enable_block_reuse: Passed to the config (the manager reuses once it supports it).
+        enable_block_reuse: Reuse cached prompt prefixes (the config's
+            ``enable_block_reuse``).
+        swa_reuse_policy: ``"invalidate"`` or ``"placeholder"`` (the config's
+            ``swa_reuse_policy``): what reuse does with sliding-window blocks that another
+            request reclaimed.
+        host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
+            config's ``host_cache_size``; 0: none).
         expected_seq_len: Typical sequence length for the ``"auto"`` share policy
             (default: the workload's mean prompt + output length).
         draft_tokens: Draft tokens proposed per generation step (speculative decoding).
@@ -518,6 +554,8 @@ def simulate(
         window_size_shares=shares,
         backend="virtual",
         enable_block_reuse=enable_block_reuse,
+        swa_reuse_policy=swa_reuse_policy,
+        host_cache_size=host_cache_bytes,
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
     share_text = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
@@ -528,7 +566,9 @@ def simulate(
             sum(min(len(t.prompt) + len(t.output) - 1, seq_len) for t in trace) / len(trace)
         )
         share_text = f"auto(L={expected})"
-    blocks = blocks_per_window(preset.model, config, seq_len, memory, expected_seq_len=expected)
+    blocks = blocks_per_window(
+        preset.model, config, seq_len, memory, host_cache_bytes, expected_seq_len=expected
+    )
     manager = KVCacheManager.from_blocks(
         preset.model,
         config,
@@ -617,6 +657,7 @@ def simulate(
         for r in done:
             rm.free_resources(r)
             finish_step[r.request_id] = step + 1
+        manager.refresh_blocks()
         t4 = time.perf_counter()
         manager_times.append((t2 - t1) + (t4 - t3))
         sched_times.append(t1 - t0)
@@ -688,6 +729,14 @@ def simulate(
         reused_blocks=int(stats.reused_blocks),
         offloaded_blocks=int(stats.offloaded_blocks),
         onboarded_blocks=int(stats.onboarded_blocks),
+        missed_blocks=int(stats.missed_blocks),
+        cache_hit_rate_per_window={
+            int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
+        },
+        swa_reuse_policy=swa_reuse_policy,
+        host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
+        secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
+        reuse_enabled=enable_block_reuse,
         series=series,
     )
 
@@ -748,6 +797,8 @@ def run_cli(args: Any) -> int:
         else (None if args.trace else _DEFAULT_MAX_SEQ_LEN),
         "tokens_per_block": args.tokens_per_block or 32,
         "enable_block_reuse": not args.no_reuse,
+        "swa_reuse_policy": getattr(args, "swa_reuse_policy", None) or "invalidate",
+        "host_cache_bytes": parse_size(args.host_cache) if getattr(args, "host_cache", None) else 0,
         "draft_tokens": args.draft_tokens,
         "seed": args.seed,
         "progress": sys.stderr if show else None,

@@ -12,6 +12,7 @@ from kvcache.simulate import (
     TraceRequest,
     default_workload,
     format_comparison,
+    format_report,
     read_trace,
     simulate,
     write_trace,
@@ -153,6 +154,65 @@ def test_simulate_small_run_is_complete_and_deterministic() -> None:
     assert len(a.series["step"]) == a.steps
 
 
+def test_default_workload_later_turns_extend_earlier_ones() -> None:
+    trace = default_workload(seed=2, num_conversations=12)
+    prompts = {t.prompt for t in trace}
+    extended = 0
+    for t in trace:
+        full = t.prompt + t.output
+        # a later turn's prompt = this turn's prompt + its answer + new user text
+        extended += any(len(p) > len(full) and p[: len(full)] == full for p in prompts)
+    assert extended >= 5
+    systems = {t.prompt[:200] for t in trace}  # system prompts are >= 200 tokens
+    assert len(systems) < len({t.prompt for t in trace if len(t.prompt) > 200}) // 2
+
+
+def test_simulate_reports_reuse_per_window() -> None:
+    trace = default_workload(seed=1, num_conversations=10)
+    on = simulate(trace, model="gemma-3-1b", memory_bytes=512 * 2**20, check_invariants=True)
+    off = simulate(
+        trace,
+        model="gemma-3-1b",
+        memory_bytes=512 * 2**20,
+        enable_block_reuse=False,
+        check_invariants=True,
+    )
+    for r in (on, off):
+        assert r.completed == len(trace)
+        assert r.generated_tokens == sum(len(t.output) for t in trace)
+    assert on.reuse_enabled and not off.reuse_enabled
+    assert on.cache_hit_rate is not None and on.cache_hit_rate > 0.5
+    assert on.cache_hit_rate == on.reused_blocks / (on.reused_blocks + on.missed_blocks)
+    assert set(on.cache_hit_rate_per_window) == {512, on.max_seq_len}
+    assert all(0 < v <= 1 for v in on.cache_hit_rate_per_window.values())
+    assert on.reused_tokens > 0 and on.offloaded_blocks == 0
+    assert (off.cache_hit_rate, off.reused_tokens, off.reused_blocks) == (None, 0, 0)
+    assert "prefix reuse        off" in format_report(off)
+    text = format_report(on)
+    assert f"hit rate {on.cache_hit_rate:.1%} (window 512 " in text
+    assert "no host cache" in text
+
+
+@pytest.mark.parametrize("policy", ["invalidate", "placeholder"])
+def test_simulate_host_cache_offloads_and_onboards(policy: str) -> None:
+    trace = default_workload(seed=1, num_conversations=10)
+    kwargs = {"model": "gemma-3-1b", "memory_bytes": 64 * 2**20, "check_invariants": True}
+    without = simulate(trace, swa_reuse_policy=policy, **kwargs)  # type: ignore[arg-type]
+    r = simulate(
+        trace,
+        swa_reuse_policy=policy,
+        host_cache_bytes=64 * 2**20,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    assert r.swa_reuse_policy == policy
+    assert r.secondary_blocks == {512: 46, r.max_seq_len: 256}  # as many as primary blocks
+    assert r.completed + r.rejected == len(trace)
+    assert r.offloaded_blocks > 0 and r.onboarded_blocks > 0
+    assert without.offloaded_blocks == without.onboarded_blocks == 0
+    assert r.reused_tokens > without.reused_tokens  # evicted prefixes came back from host
+    assert f"host offload        offloaded {r.offloaded_blocks:,} blocks" in format_report(r)
+
+
 def test_simulate_guaranteed_and_drafts() -> None:
     trace = default_workload(seed=4, num_conversations=8)
     g = simulate(
@@ -240,6 +300,8 @@ def test_cli_simulate_trace_and_shares(tmp_path: Path, capsys: pytest.CaptureFix
         (["--shares", "1,2,3"], "gives 3 share(s) but the model has 2 window(s)"),
         (["--memory", "1KiB"], "memory budget too small"),
         (["--scheduler", "fifo"], "invalid choice: 'fifo'"),
+        (["--swa-reuse-policy", "keep"], "invalid choice: 'keep'"),
+        (["--host-cache", "lots"], "invalid size 'lots'"),
     ],
 )
 def test_cli_simulate_errors(
@@ -270,3 +332,20 @@ def test_cli_simulate_default_run(capsys: pytest.CaptureFixture[str]) -> None:
         "max_utilization scheduling, virtual backend"
     )
     assert "  requests            1,003 (1,003 completed)" in text
+    assert "  block reuse on (sliding windows: invalidate), host cache none" in text
+    assert "  prefix reuse        hit rate " in text
+
+
+def test_cli_simulate_reuse_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "r.json"
+    argv = ["simulate", *SMALL, "--swa-reuse-policy", "placeholder", "--host-cache", "64MiB"]
+    assert main([*argv, "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "  block reuse on (sliding windows: placeholder), host cache 64.0 MiB" in text
+    assert "  host offload        offloaded " in text
+    data = json.loads(out_json.read_text())
+    assert data["swa_reuse_policy"] == "placeholder"
+    assert data["host_cache_bytes"] == 64 * 2**20
+    assert set(data["cache_hit_rate_per_window"]) == {"512", str(data["max_seq_len"])}
+    assert main(["simulate", *SMALL, "--no-reuse"]) == 0
+    assert "  block reuse off" in capsys.readouterr().out
