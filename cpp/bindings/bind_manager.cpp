@@ -58,14 +58,36 @@ std::vector<std::int64_t> ToInt64Vector(const pybind11::handle& obj, const char*
   return out;
 }
 
-std::vector<TokenId> ToTokens(const pybind11::handle& obj, const char* what) {
-  std::vector<std::int64_t> raw = ToInt64Vector(obj, what);
-  std::vector<TokenId> out(raw.size());
-  for (std::size_t i = 0; i < raw.size(); ++i) {
-    if (raw[i] < 0) ThrowInvalid(what, "[", i, "] is negative (", raw[i], ")");
-    if (raw[i] > INT32_MAX) ThrowInvalid(what, "[", i, "] = ", raw[i], " does not fit a 32-bit token id");
-    out[i] = static_cast<TokenId>(raw[i]);
+template <typename T>
+void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector<TokenId>* out) {
+  out->resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const T v = data[i];
+    if (v < 0) ThrowInvalid(what, "[", i, "] is negative (", static_cast<std::int64_t>(v), ")");
+    if (static_cast<std::uint64_t>(v) > static_cast<std::uint64_t>(INT32_MAX)) {
+      ThrowInvalid(what, "[", i, "] = ", static_cast<std::uint64_t>(v), " does not fit a 32-bit token id");
+    }
+    (*out)[i] = static_cast<TokenId>(v);
   }
+}
+
+/// Token ids from a 1-D integer ndarray (int32/int64 read in place) or a sequence of ints.
+std::vector<TokenId> ToTokens(const pybind11::handle& obj, const char* what) {
+  std::vector<TokenId> out;
+  if (pybind11::isinstance<pybind11::array>(obj)) {
+    auto arr = pybind11::reinterpret_borrow<pybind11::array>(obj);
+    const bool contiguous = (arr.flags() & pybind11::array::c_style) != 0 && arr.ndim() == 1;
+    if (contiguous && arr.dtype().is(pybind11::dtype::of<std::int32_t>())) {
+      CopyTokenValues(static_cast<const std::int32_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, &out);
+      return out;
+    }
+    if (contiguous && arr.dtype().is(pybind11::dtype::of<std::int64_t>())) {
+      CopyTokenValues(static_cast<const std::int64_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, &out);
+      return out;
+    }
+  }
+  const std::vector<std::int64_t> raw = ToInt64Vector(obj, what);
+  CopyTokenValues(raw.data(), raw.size(), what, &out);
   return out;
 }
 

@@ -255,11 +255,6 @@ std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& pl
       const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
       if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
     }
-    // A copied partial source is held while the copy's block is taken: a free one counts too.
-    if (plan.partial_tokens > 0 && !plan.partial_takeover[w]) {
-      const BlockId src = plan.partial_src[w];
-      if (wm.IsPrimary(src) && wm.RefCount(src) == 0) ++need[w];
-    }
   }
   return need;
 }
@@ -338,6 +333,7 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   seq.reused_tokens = reused;
   // Claim everything the plan reuses before taking any free block, so that no eviction can
   // pick a block this sequence is about to use.
+  std::vector<char> src_held(windows_.size(), 0);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     WindowBlockManager& wm = *windows_[w];
     SequenceWindow& sw = seq.windows[w];
@@ -349,7 +345,13 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
       wm.Claim(b);
       sw.blocks[static_cast<std::size_t>(i)] = b;
     }
-    if (has_partial) wm.Claim(plan.partial_src[w]);
+    if (has_partial) {
+      // A free primary source that is copied is not held (that would cost a free block): the
+      // copy happens first (below), and if that block is itself the next victim it is taken over.
+      const BlockId src = plan.partial_src[w];
+      src_held[w] = plan.partial_takeover[w] || !wm.IsPrimary(src) || wm.RefCount(src) > 0;
+      if (src_held[w]) wm.Claim(src);
+    }
   }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (has_partial && plan.partial_takeover[w]) windows_[w]->Drop(plan.partial_src[w]);  // now private
@@ -358,6 +360,27 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
     WindowBlockManager& wm = *windows_[w];
     SequenceWindow& sw = seq.windows[w];
     std::int64_t fresh = 0;
+    if (has_partial) {  // first: before any other block of this window is taken
+      const BlockId src = plan.partial_src[w];
+      BlockId& slot = sw.blocks[static_cast<std::size_t>(full)];
+      const auto [prio, expiry] = BlockPriority(seq, full);
+      if (plan.partial_takeover[w]) {
+        slot = src;
+        wm.SetPriority(src, prio, expiry);
+      } else if (!src_held[w] && wm.policy().Peek(CacheLevel::kPrimary) == src) {
+        wm.Claim(src);  // the free source is the next victim anyway: take it over
+        if (wm.NodeOf(src) != kNoNode) wm.Drop(src);
+        wm.SetPriority(src, prio, expiry);
+        slot = src;
+      } else {
+        // A free source that this acquisition's eviction unlinks keeps its bytes until it is
+        // handed out, which cannot happen before the copy below.
+        slot = AcquireFor(w, seq, full);
+        wm.CopyTokens(slot, src, plan.partial_tokens);
+        if (src_held[w]) wm.Release(src);
+        ++fresh;
+      }
+    }
     for (std::int32_t i = front[w]; i < full; ++i) {
       BlockId& b = sw.blocks[static_cast<std::size_t>(i)];
       const auto [prio, expiry] = BlockPriority(seq, i);
@@ -368,20 +391,6 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
         ++fresh;
       } else if (seq.explicit_priority) {
         wm.SetPriority(b, prio, expiry);
-      }
-    }
-    if (has_partial) {
-      const BlockId src = plan.partial_src[w];
-      BlockId& slot = sw.blocks[static_cast<std::size_t>(full)];
-      if (plan.partial_takeover[w]) {
-        slot = src;
-        const auto [prio, expiry] = BlockPriority(seq, full);
-        wm.SetPriority(src, prio, expiry);
-      } else {
-        slot = AcquireFor(w, seq, full);
-        wm.CopyTokens(slot, src, plan.partial_tokens);
-        wm.Release(src);
-        ++fresh;
       }
     }
     for (std::int32_t i = full + has_partial; i < num_blocks; ++i) {

@@ -503,3 +503,41 @@ TEST(SwaReuseTest, StoreContextBlocksCoversSlidingWindows) {
 
 }  // namespace
 }  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+// A prompt that fits without reuse fits with it: copying a partial match costs no extra block.
+TEST(ReuseTest, PartialCopyNeedsNoExtraFreeBlock) {
+  KVCacheManager m(Model(1, {1}, 2), ReuseConfig({}, 64, {{64, 3}}));
+  Add(m, 1, {1, 2, 3, 4, 5});
+  m.AddToken(1, 6);
+  m.RemoveSequence(1);  // [1 2 3 4] -> [5]; the first block is not a leaf: it must be copied
+  std::vector<TokenId> prompt = {1, 2, 3};
+  prompt.resize(12, 9);
+  const auto need = m.GetNumBlocksToAllocate(prompt.data(), prompt.size(), {});
+  EXPECT_EQ(need.at(64), 3);
+  EXPECT_EQ(Add(m, 2, prompt), 3);
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{2, 1, 0}));
+  m.CheckInvariants();
+}
+
+TEST(ReuseTest, PartialSourceThatIsTheNextVictimIsTakenOver) {
+  KVCacheManager m(Model(1, {1}, 2), ReuseConfig({}, 64, {{64, 2}}));
+  SequenceOptions low_first;  // the first block is the least valuable, so evicted first
+  low_first.priority_ranges = {PriorityRange{0, 4, 10, 0}, PriorityRange{4, -1, 50, 0}};
+  Add(m, 1, {1, 2, 3, 4, 5}, low_first);
+  const LayerView v = m.GetLayerView(0);
+  auto* base = static_cast<unsigned char*>(v.data);
+  std::memset(base, 0x5a, static_cast<std::size_t>(v.strides[0]));  // block 0
+  m.AddToken(1, 6);
+  m.RemoveSequence(1);
+  EXPECT_EQ(Add(m, 2, {1, 2, 3, 9, 9}), 3);
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{0, 1}));
+  EXPECT_EQ(base[0], 0x5a);  // the kept tokens are the source's own bytes
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 0);
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache
