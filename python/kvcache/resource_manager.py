@@ -387,11 +387,6 @@ class KVCacheResourceManager:
         # With reuse, per releasing window: holders of each shared-able block among the
         # registered requests, and the extra holdings (sum of holders - 1).
         self._holders: list[dict[int, int]] = [{} for _ in self._windows]
-        config = getattr(manager, "config", None)
-        copies = bool(getattr(config, "enable_partial_reuse", True)) and bool(
-            getattr(config, "copy_on_partial_reuse", True)
-        )
-        self._copy_slack = 1 if self._reuse and copies else 0
         self._shared: list[int] = [0] * len(self._windows)
 
     @classmethod
@@ -718,9 +713,8 @@ class KVCacheResourceManager:
         if not self._reuse:
             return [0] * k, [nb] * k
         if not use_reuse:
-            # Whatever the cache holds then: at most every block, plus the source of a
-            # partial copy that is held while its copy is taken.
-            return [0] * k, [nb + self._copy_slack] * k
+            # Whatever the cache holds then: at most one free block per position.
+            return [0] * k, [nb] * k
         tokens = request.context_tokens()
         kwargs = self._reuse_kwargs(request)
         reused = int(self._manager.get_reusable_prefix_length(tokens, **kwargs))

@@ -195,9 +195,7 @@ class CapacityScheduler:
                 self._fits_checked.pop(r.request_id, None)
             elif not running and len(out.batch) == 0:
                 # Nothing runs, so nothing will change the pools or the cache: a request
-                # that does not fit now never will. (With reuse this can happen to a prompt
-                # that fits the pool without reuse: copying a partially matching cached
-                # block holds its source while the copy's block is taken.)
+                # that does not fit now never will.
                 r.state = RequestState.FAILED
                 out.rejected.append(r)
                 self._fits_checked.pop(r.request_id, None)
