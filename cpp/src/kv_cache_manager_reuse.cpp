@@ -260,6 +260,17 @@ RequestStats KVCacheManager::GetRequestStats(SeqId id) const {
   return r;
 }
 
+std::vector<std::uint64_t> KVCacheManager::CachedBlockHashes(WindowSize window) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto w = static_cast<std::int32_t>(WindowIndex(window));
+  std::vector<std::uint64_t> out;
+  tree_->ForEachDescendant(ReuseTree::kRoot, [&](NodeId n) {
+    if (tree_->Block(n, w) != kNullBlock) out.push_back(tree_->Hash(n));
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 std::vector<KVCacheEvent> KVCacheManager::GetLatestEvents(std::int64_t timeout_ms) {
   // No manager lock: waiting must not block the engine thread.
   if (!events_) return {};

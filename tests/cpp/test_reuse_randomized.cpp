@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -59,6 +60,7 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
   c.enable_block_reuse = true;
   c.swa_reuse_policy = GetParam();
   c.max_draft_tokens = 2;
+  c.event_buffer_max_size = 1 << 20;  // never drops: the stream must mirror the tree exactly
   ModelSpec model = testing::Model(3, {1}, 1);
   model.dtype = DType::kFloat32;
   KVCacheManager m(model, c);
@@ -69,6 +71,7 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     for (int i = 0; i < 40; ++i) base.push_back(static_cast<TokenId>(rng() % 6));
   }
   std::map<SeqId, Live> live;
+  std::map<WindowSize, std::set<std::uint64_t>> mirror;
   SeqId next_id = 0;
   std::int64_t now = 0;
   int failures = 0;
@@ -171,6 +174,23 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
       ASSERT_TRUE(snapshot() == before) << "failed op " << op << " changed state";
     }
     ASSERT_NO_THROW(m.CheckInvariants()) << "after op " << op;
+    // Replaying stored/removed events per window gives exactly the cached blocks.
+    for (const KVCacheEvent& e : m.GetLatestEvents(0)) {
+      auto& cached = mirror[e.window_size];
+      if (e.kind == EventKind::kStored) {
+        for (const StoredBlock& b : e.blocks) ASSERT_TRUE(cached.insert(b.hash).second) << "op " << op;
+      } else if (e.kind == EventKind::kRemoved) {
+        for (const std::uint64_t h : e.hashes) ASSERT_EQ(cached.erase(h), 1u) << "op " << op;
+      } else if (e.kind == EventKind::kUpdated) {
+        ASSERT_EQ(cached.count(e.hash), 1u) << "op " << op;
+      }
+    }
+    if (op % 50 == 0) {
+      for (const WindowSize w : m.window_sizes()) {
+        const auto& cached = mirror[w];
+        ASSERT_EQ(std::vector<std::uint64_t>(cached.begin(), cached.end()), m.CachedBlockHashes(w)) << "op " << op;
+      }
+    }
     for (const auto& [id, s] : live) ASSERT_EQ(m.NumTokens(id), static_cast<std::int32_t>(s.tokens.size()));
   }
   EXPECT_GT(failures, 0);

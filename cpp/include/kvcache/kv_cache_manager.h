@@ -192,6 +192,9 @@ class KVCacheManager {
   /// Buffered events (empty without an event buffer); waits up to `timeout_ms` for one.
   std::vector<KVCacheEvent> GetLatestEvents(std::int64_t timeout_ms);
   bool reuse_enabled() const { return reuse_; }
+  /// Chained hashes of the tree nodes that hold a block of `window` (sorted): what a consumer
+  /// of the event stream should believe is cached there. For tests and debugging; O(nodes).
+  std::vector<std::uint64_t> CachedBlockHashes(WindowSize window) const;
   /// Test hook: a fixed clock for timed priorities (negative: the real steady clock).
   void SetFakeTimeMs(std::int64_t now_ms);
   /// Drops the last `num_tokens` tokens of `id`, releasing blocks that become empty.
