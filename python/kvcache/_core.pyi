@@ -95,7 +95,7 @@ class KVCacheManager:
         onboard_blocks: bool = True,
         secondary_offload_min_priority: typing.SupportsInt | typing.SupportsIndex = 30,
         event_buffer_max_size: typing.SupportsInt | typing.SupportsIndex = 0,
-        swa_reuse_policy: str = "invalidate",
+        swa_reuse_policy: str = "placeholder",
     ) -> None: ...
     def _add_sequence(
         self,

@@ -383,9 +383,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument(
         "--swa-reuse-policy",
         choices=["invalidate", "placeholder"],
-        default="invalidate",
+        default="placeholder",
         help="reuse of sliding-window chains whose out-of-window blocks were reclaimed "
-        "(default: invalidate)",
+        "(default: placeholder)",
     )
     p_sim.add_argument(
         "--host-cache",

@@ -335,7 +335,8 @@ class KvCacheConfig:
             comma-separated text. ``None`` defers to the environment (see
             :func:`kvcache.sizing.window_size_shares`). Number lists are stored as tuples.
         event_buffer_max_size: Events kept for ``get_latest_events`` (0 disables events).
-        swa_reuse_policy: ``"invalidate"`` or ``"placeholder"``.
+        swa_reuse_policy: ``"placeholder"`` (default: a reclaimed out-of-window block leaves
+            a placeholder and the rest of the chain stays reusable) or ``"invalidate"``.
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.
@@ -365,7 +366,7 @@ class KvCacheConfig:
     secondary_offload_min_priority: int = 30
     window_size_shares: str | Sequence[float] | None = None
     event_buffer_max_size: int = 0
-    swa_reuse_policy: str = "invalidate"
+    swa_reuse_policy: str = "placeholder"
     backend: str = "auto"
     expected_seq_len: int | None = None
 

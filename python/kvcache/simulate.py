@@ -303,7 +303,7 @@ class SimulationReport:
     onboarded_blocks: int
     missed_blocks: int = 0
     cache_hit_rate_per_window: dict[int, float] = field(default_factory=dict)
-    swa_reuse_policy: str = "invalidate"
+    swa_reuse_policy: str = "placeholder"
     host_cache_bytes: int = 0
     secondary_blocks: dict[int, int] = field(default_factory=dict)
     reuse_enabled: bool = True
@@ -500,7 +500,7 @@ def simulate(
     tokens_per_block: int = 32,
     max_num_tokens: int | None = 8192,
     enable_block_reuse: bool = True,
-    swa_reuse_policy: str = "invalidate",
+    swa_reuse_policy: str = "placeholder",
     host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
     draft_tokens: int = 0,
@@ -797,7 +797,7 @@ def run_cli(args: Any) -> int:
         else (None if args.trace else _DEFAULT_MAX_SEQ_LEN),
         "tokens_per_block": args.tokens_per_block or 32,
         "enable_block_reuse": not args.no_reuse,
-        "swa_reuse_policy": getattr(args, "swa_reuse_policy", None) or "invalidate",
+        "swa_reuse_policy": getattr(args, "swa_reuse_policy", None) or "placeholder",
         "host_cache_bytes": parse_size(args.host_cache) if getattr(args, "host_cache", None) else 0,
         "draft_tokens": args.draft_tokens,
         "seed": args.seed,

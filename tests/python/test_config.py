@@ -117,7 +117,7 @@ def test_kv_defaults_match_api() -> None:
         "secondary_offload_min_priority": 30,
         "window_size_shares": None,
         "event_buffer_max_size": 0,
-        "swa_reuse_policy": "invalidate",
+        "swa_reuse_policy": "placeholder",
         "backend": "auto",
         "expected_seq_len": None,
     }

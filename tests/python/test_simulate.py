@@ -332,7 +332,7 @@ def test_cli_simulate_default_run(capsys: pytest.CaptureFixture[str]) -> None:
         "max_utilization scheduling, virtual backend"
     )
     assert "  requests            1,003 (1,003 completed)" in text
-    assert "  block reuse on (sliding windows: invalidate), host cache none" in text
+    assert "  block reuse on (sliding windows: placeholder), host cache none" in text
     assert "  prefix reuse        hit rate " in text
 
 

@@ -68,7 +68,7 @@ struct ManagerConfig {
   bool onboard_blocks = true;
   int secondary_offload_min_priority = 30;
   std::size_t event_buffer_max_size = 0;  ///< 0: no events.
-  SwaReusePolicy swa_reuse_policy = SwaReusePolicy::kInvalidate;
+  SwaReusePolicy swa_reuse_policy = SwaReusePolicy::kPlaceholder;
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.
@@ -281,7 +281,7 @@ class KVCacheManager {
   bool reuse_ = false;
   bool partial_reuse_ = true;
   bool copy_on_partial_ = true;
-  SwaReusePolicy swa_policy_ = SwaReusePolicy::kInvalidate;
+  SwaReusePolicy swa_policy_ = SwaReusePolicy::kPlaceholder;
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<ReuseTree> tree_;
   std::vector<std::vector<std::int32_t>> pins_;  // per window, per block
