@@ -273,6 +273,20 @@ ReuseExtras MakeExtras(std::optional<std::int64_t> lora_task_id, std::optional<s
   return extras;
 }
 
+/// Binds a read-only query over a prompt and its reuse keys: converts the arguments, releases
+/// the GIL and calls `query(tokens, n, extras)`.
+template <typename R>
+auto PromptQuery(R (KVCacheManager::*query)(const TokenId*, std::size_t, const ReuseExtras&) const) {
+  return [query](const KVCacheManager& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
+                 std::optional<std::uint64_t> cache_salt,
+                 const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+    const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+    const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+    pybind11::gil_scoped_release release;
+    return (self.*query)(toks.data(), toks.size(), extras);
+  };
+}
+
 const char* EventKindName(EventKind kind) {
   switch (kind) {
     case EventKind::kCreated:
@@ -472,32 +486,12 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{},
           pybind11::arg("priority_ranges") = std::vector<std::tuple<std::int32_t, std::int32_t, int, std::int64_t>>{},
           pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0)
-      .def(
-          "_get_reusable_prefix_length",
-          [](const M& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
-             std::optional<std::uint64_t> cache_salt,
-             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
-            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
-            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
-            pybind11::gil_scoped_release release;
-            return self.GetReusablePrefixLength(toks.data(), toks.size(), extras);
-          },
-          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
-          pybind11::arg("cache_salt") = pybind11::none(),
-          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
-      .def(
-          "_get_num_blocks_to_allocate",
-          [](const M& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
-             std::optional<std::uint64_t> cache_salt,
-             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
-            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
-            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
-            pybind11::gil_scoped_release release;
-            return self.GetNumBlocksToAllocate(toks.data(), toks.size(), extras);
-          },
-          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
-          pybind11::arg("cache_salt") = pybind11::none(),
-          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
+      .def("_get_reusable_prefix_length", PromptQuery(&M::GetReusablePrefixLength), pybind11::arg("tokens"),
+           pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
+           pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
+      .def("_get_num_blocks_to_allocate", PromptQuery(&M::GetNumBlocksToAllocate), pybind11::arg("tokens"),
+           pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
+           pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
       .def("store_context_blocks", &M::StoreContextBlocks, pybind11::arg("request_id"),
            pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")

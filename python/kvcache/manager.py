@@ -158,6 +158,19 @@ def _multimodal(
     return out
 
 
+def _key_kwargs(
+    lora_task_id: int | None,
+    cache_salt: str | bytes | int | None,
+    multimodal: Sequence[tuple[bytes | int, int, int]] | None,
+) -> dict[str, Any]:
+    """The reuse-key arguments of the native calls, validated and converted."""
+    return {
+        "lora_task_id": _optional_int("lora_task_id", lora_task_id),
+        "cache_salt": None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
+        "multimodal": _multimodal(multimodal),
+    }
+
+
 def _optional_int(name: str, value: int | None) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{name} must be an int or None, got {value!r}")
@@ -396,12 +409,10 @@ class KVCacheManager(_core.KVCacheManager):
                 request_id,
                 tokens,
                 priority=_optional_int("priority", priority),
-                lora_task_id=_optional_int("lora_task_id", lora_task_id),
-                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
-                multimodal=_multimodal(multimodal),
                 priority_ranges=ranges,
                 decode_priority=_optional_int("decode_priority", decode_priority),
                 decode_duration_ms=_optional_int("decode_duration_ms", decode_duration_ms) or 0,
+                **_key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
 
@@ -416,10 +427,7 @@ class KVCacheManager(_core.KVCacheManager):
         """What :meth:`add_sequence` would return for this prompt now, changing nothing."""
         return int(
             self._get_reusable_prefix_length(
-                tokens,
-                lora_task_id=_optional_int("lora_task_id", lora_task_id),
-                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
-                multimodal=_multimodal(multimodal),
+                tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal)
             )
         )
 
@@ -438,10 +446,7 @@ class KVCacheManager(_core.KVCacheManager):
         """
         return dict(
             self._get_num_blocks_to_allocate(
-                tokens,
-                lora_task_id=_optional_int("lora_task_id", lora_task_id),
-                cache_salt=None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
-                multimodal=_multimodal(multimodal),
+                tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal)
             )
         )
 
