@@ -186,15 +186,8 @@ std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_token
 }
 
 void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w) {
-  SequenceWindow& sw = seq.windows[w];
   const std::int32_t target = ReleaseTarget(w, seq.num_tokens);
-  while (sw.front_null < target) {
-    BlockId& slot = sw.blocks[static_cast<std::size_t>(sw.front_null)];
-    sw.released.emplace_back(slot, windows_[w]->Generation(slot));
-    windows_[w]->Release(slot, /*to_front=*/false, /*out_of_window=*/true);
-    slot = kNullBlock;
-    ++sw.front_null;
-  }
+  while (seq.windows[w].front_null < target) Detach(seq, w, seq.windows[w].front_null, Leave::kOutOfWindow);
 }
 
 std::int64_t KVCacheManager::NowMs() const {
@@ -227,18 +220,81 @@ std::pair<int, std::int64_t> KVCacheManager::BlockPriority(const Sequence& seq, 
   return {priority, duration > 0 ? NowMs() + duration : 0};
 }
 
-void KVCacheManager::InvalidateIfLive(SeqId displaced) {
-  if (displaced < 0) return;
-  auto it = sequences_.find(displaced);
-  if (it != sequences_.end()) it->second.valid_for_reuse = false;
+BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b) {
+  WindowBlockManager& wm = *windows_[w];
+  BlockId& slot = seq.windows[w].blocks[static_cast<std::size_t>(j)];
+  const auto [priority, expiry] = BlockPriority(seq, j);
+  displaced_.clear();
+  switch (how) {
+    case Handout::kFresh:
+      KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
+      slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
+      break;
+    case Handout::kShare:
+      KVC_DCHECK(slot == kNullBlock, "shared block for an occupied position");
+      wm.Claim(b);
+      if (seq.explicit_priority && wm.IsPrimary(b)) wm.SetPriority(b, priority, expiry);
+      slot = b;
+      break;
+    case Handout::kTakeOver:
+      KVC_DCHECK(slot == kNullBlock, "takeover for an occupied position");
+      slot = wm.Grant(b, seq.id, priority, expiry, /*offload=*/false, &displaced_);
+      break;
+    case Handout::kOnboard:
+      KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
+      slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
+      break;
+  }
+  InvalidateDisplaced(seq);
+  return slot;
 }
 
-BlockId KVCacheManager::AcquireFor(std::size_t w, const Sequence& seq, std::int32_t position) {
-  const auto [priority, expiry] = BlockPriority(seq, position);
-  SeqId displaced = -1;
-  const BlockId b = windows_[w]->Acquire(seq.id, priority, expiry, &displaced);
-  if (displaced != seq.id) InvalidateIfLive(displaced);
-  return b;
+void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
+  // Releaser lists name live sequences only (ForgetReleases runs when a sequence ends). The
+  // receiving sequence reclaiming its own released block does not invalidate it: its record is
+  // merely stale (the generation changed), so StoreChain skips that position.
+  for (const SeqId displaced : displaced_) {
+    if (displaced == seq.id) continue;
+    auto it = sequences_.find(displaced);
+    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a granted block is not live"));
+    it->second.valid_for_reuse = false;
+  }
+}
+
+void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t j, Leave why) {
+  WindowBlockManager& wm = *windows_[w];
+  SequenceWindow& sw = seq.windows[w];
+  BlockId& slot = sw.blocks[static_cast<std::size_t>(j)];
+  KVC_DCHECK(slot != kNullBlock, "detach of an empty position");
+  switch (why) {
+    case Leave::kOutOfWindow:
+      KVC_DCHECK(j == sw.front_null, "out-of-window release must be at the front");
+      sw.released.emplace_back(slot, wm.Generation(slot));
+      wm.Release(slot, /*to_front=*/false, /*released_by=*/seq.id);
+      ++sw.front_null;
+      break;
+    case Leave::kRewind:
+      wm.Release(slot, /*to_front=*/true);
+      break;
+    case Leave::kEnd:
+      wm.Release(slot);
+      break;
+  }
+  slot = kNullBlock;
+}
+
+void KVCacheManager::ForgetReleases(const Sequence& seq) {
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    for (const auto& [b, generation] : seq.windows[w].released) {
+      if (b != kNullBlock && windows_[w]->Generation(b) == generation) windows_[w]->ForgetRelease(b, seq.id);
+    }
+  }
+}
+
+bool KVCacheManager::IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const {
+  const WindowBlockManager& wm = *windows_[w];
+  const BlockId b = seq.windows[w].blocks[static_cast<std::size_t>(j)];
+  return wm.RefCount(b) == 1 && wm.NodeOf(b) == kNoNode && wm.Releasers(b).empty();
 }
 
 std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
@@ -259,10 +315,20 @@ std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& pl
   return need;
 }
 
+void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const std::string& who) const {
+  if (n == 0) ThrowInvalid(who, ": the prompt is empty");
+  if (n > static_cast<std::size_t>(max_seq_len_)) {
+    ThrowInvalid(who, ": prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0) ThrowInvalid(who, ": token ", i, " is negative (", tokens[i], ")");
+  }
+}
+
 std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
                                                                           const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (n == 0) ThrowInvalid("the prompt is empty");
+  ValidatePrompt(tokens, n, "get_num_blocks_to_allocate");
   const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras) : ReusePlan{};
   std::vector<std::int32_t> front;
   const auto need = PromptBlocksNeeded(plan, CeilDiv(static_cast<std::int64_t>(n), tpb_), &front);
@@ -274,14 +340,9 @@ std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                                          const SequenceOptions& options) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
-  if (n == 0) ThrowInvalid("request ", id, ": the prompt is empty");
-  if (n > static_cast<std::size_t>(max_seq_len_)) {
-    ThrowInvalid("request ", id, ": prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0) ThrowInvalid("request ", id, ": token ", i, " is negative (", tokens[i], ")");
-  }
+  ValidatePrompt(tokens, n, detail::Concat("request ", id));
   auto check_priority = [id](const char* what, int p) {
     if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
   };
@@ -341,60 +402,45 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
     sw.front_null = front[w];
     sw.released.assign(static_cast<std::size_t>(front[w]), {kNullBlock, 0});
     for (std::int32_t i = front[w]; i < full; ++i) {
-      const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
-      wm.Claim(b);
-      sw.blocks[static_cast<std::size_t>(i)] = b;
+      Attach(seq, w, i, Handout::kShare, tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
     }
-    if (has_partial) {
-      // A free primary source that is copied is not held (that would cost a free block): the
-      // copy happens first (below), and if that block is itself the next victim it is taken over.
+    if (has_partial && !plan.partial_takeover[w]) {
+      // A source that is copied is held only while the copy is issued. A free primary source is
+      // not held (that would cost a free block): the copy happens first (below), and if that
+      // block is itself the next victim it is taken over instead.
       const BlockId src = plan.partial_src[w];
-      src_held[w] = plan.partial_takeover[w] || !wm.IsPrimary(src) || wm.RefCount(src) > 0;
+      src_held[w] = !wm.IsPrimary(src) || wm.RefCount(src) > 0;
       if (src_held[w]) wm.Claim(src);
     }
   }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (has_partial && plan.partial_takeover[w]) windows_[w]->Drop(plan.partial_src[w]);  // now private
+    if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
   }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     WindowBlockManager& wm = *windows_[w];
     SequenceWindow& sw = seq.windows[w];
     std::int64_t fresh = 0;
-    if (has_partial) {  // first: before any other block of this window is taken
+    if (has_partial && !plan.partial_takeover[w]) {  // first: before any other block of this window is taken
       const BlockId src = plan.partial_src[w];
-      BlockId& slot = sw.blocks[static_cast<std::size_t>(full)];
-      const auto [prio, expiry] = BlockPriority(seq, full);
-      if (plan.partial_takeover[w]) {
-        slot = src;
-        wm.SetPriority(src, prio, expiry);
-      } else if (!src_held[w] && wm.policy().Peek(CacheLevel::kPrimary) == src) {
-        wm.Claim(src);  // the free source is the next victim anyway: take it over
-        if (wm.NodeOf(src) != kNoNode) wm.Drop(src);
-        wm.SetPriority(src, prio, expiry);
-        slot = src;
+      if (!src_held[w] && wm.policy().Peek(CacheLevel::kPrimary) == src) {
+        Attach(seq, w, full, Handout::kTakeOver, src);  // the free source is the next victim anyway
       } else {
         // A free source that this acquisition's eviction unlinks keeps its bytes until it is
         // handed out, which cannot happen before the copy below.
-        slot = AcquireFor(w, seq, full);
-        wm.CopyTokens(slot, src, plan.partial_tokens);
+        const BlockId own = Attach(seq, w, full, Handout::kFresh);
+        wm.CopyTokens(own, src, plan.partial_tokens);
         if (src_held[w]) wm.Release(src);
         ++fresh;
       }
     }
     for (std::int32_t i = front[w]; i < full; ++i) {
-      BlockId& b = sw.blocks[static_cast<std::size_t>(i)];
-      const auto [prio, expiry] = BlockPriority(seq, i);
-      if (!wm.IsPrimary(b)) {
-        SeqId displaced = -1;
-        b = wm.Onboard(b, id, prio, expiry, &displaced);
-        InvalidateIfLive(displaced);
+      if (!wm.IsPrimary(sw.blocks[static_cast<std::size_t>(i)])) {
+        Attach(seq, w, i, Handout::kOnboard);
         ++fresh;
-      } else if (seq.explicit_priority) {
-        wm.SetPriority(b, prio, expiry);
       }
     }
     for (std::int32_t i = full + has_partial; i < num_blocks; ++i) {
-      sw.blocks[static_cast<std::size_t>(i)] = AcquireFor(w, seq, i);
+      Attach(seq, w, i, Handout::kFresh);
       ++fresh;
     }
     const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
@@ -475,7 +521,10 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   for (Sequence* seq : batch_) {
     if ((seq->num_tokens - 1) % tpb_ != 0) continue;
     const auto position = static_cast<std::int32_t>(seq->windows[0].blocks.size());
-    for (std::size_t w = 0; w < windows_.size(); ++w) seq->windows[w].blocks.push_back(AcquireFor(w, *seq, position));
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      seq->windows[w].blocks.push_back(kNullBlock);
+      Attach(*seq, w, position, Handout::kFresh);
+    }
     seq->new_blocks += static_cast<std::int64_t>(windows_.size());
   }
   for (auto& c : counters_) {
@@ -485,22 +534,25 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
 }
 
-void KVCacheManager::RemoveSequence(SeqId id, bool store_for_reuse, bool pin) {
+std::map<WindowSize, std::vector<BlockId>> KVCacheManager::RemoveSequence(SeqId id, bool store_for_reuse, bool pin) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(id);
   if (it == sequences_.end()) throw UnknownSequenceError(id);
+  if (pin && !reuse_) throw KVCacheError("remove_sequence(pin=True) needs block reuse (enable_block_reuse)");
   Sequence& seq = it->second;
+  std::vector<std::vector<BlockId>> pinned(windows_.size());
   if (reuse_ && store_for_reuse && (seq.valid_for_reuse || swa_policy_ == SwaReusePolicy::kPlaceholder)) {
-    StoreChain(seq, seq.num_tokens - 1, /*full_only=*/false, pin);
+    StoreChain(seq, seq.num_tokens - 1, /*full_only=*/false, pin ? &pinned : nullptr);
   }
+  ForgetReleases(seq);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    auto& sw = seq.windows[w];
     // Newest first: a sequence's tail is the least shareable part and is evicted first.
-    for (auto b = sw.blocks.rbegin(); b != sw.blocks.rend(); ++b) {
-      if (*b != kNullBlock) windows_[w]->Release(*b);
+    for (auto j = static_cast<std::int32_t>(seq.windows[w].blocks.size()) - 1; j >= seq.windows[w].front_null; --j) {
+      Detach(seq, w, j, Leave::kEnd);
     }
   }
   sequences_.erase(it);
+  return PinnedByWindow(std::move(pinned));
 }
 
 void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
@@ -521,14 +573,12 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   }
   const auto keep = static_cast<std::size_t>(CeilDiv(new_len, tpb_));
   const std::int32_t tail_tokens = new_len % tpb_;
-  // The block that will be written again must be private: a cached or shared one is copied.
+  // The last kept block will be written again: unless it is private, it is copied first.
   std::vector<char> copy(windows_.size(), 0);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const WindowBlockManager& wm = *windows_[w];
     const auto& blocks = seq.windows[w].blocks;
-    if (tail_tokens == 0) continue;
-    const BlockId last = blocks[keep - 1];
-    if (wm.NodeOf(last) == kNoNode && wm.RefCount(last) == 1) continue;
+    if (tail_tokens == 0 || IsPrivate(seq, w, static_cast<std::int32_t>(keep - 1))) continue;
     copy[w] = 1;
     std::int32_t available = wm.NumFreePrimary();
     for (std::size_t j = keep; j < blocks.size(); ++j) available += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
@@ -539,21 +589,25 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   }
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& blocks = seq.windows[w].blocks;
-    while (blocks.size() > keep) {
-      windows_[w]->Release(blocks.back(), /*to_front=*/true);
-      blocks.pop_back();
+    for (auto j = static_cast<std::int32_t>(blocks.size()) - 1; j >= static_cast<std::int32_t>(keep); --j) {
+      Detach(seq, w, j, Leave::kRewind);
     }
+    blocks.resize(keep);
     if (copy[w]) {
+      const auto last = static_cast<std::int32_t>(keep - 1);
       const BlockId shared = blocks[keep - 1];
-      const BlockId own = AcquireFor(w, seq, static_cast<std::int32_t>(keep - 1));
+      windows_[w]->Claim(shared);  // held while it is copied from
+      Detach(seq, w, last, Leave::kEnd);
+      const BlockId own = Attach(seq, w, last, Handout::kFresh);
       windows_[w]->CopyTokens(own, shared, tail_tokens);
       windows_[w]->Release(shared);
-      blocks[keep - 1] = own;
     }
   }
   backend_->Synchronize();
   seq.tokens.resize(static_cast<std::size_t>(new_len));
   seq.num_tokens = new_len;
+  // Rewound prompt tokens are prompt no longer: what store_context_blocks may store shrinks too.
+  seq.prompt_len = std::min(seq.prompt_len, new_len);
 }
 
 std::int32_t KVCacheManager::NumTokens(SeqId id) const {
@@ -593,9 +647,11 @@ std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t ro
                                               const SeqId* ids, std::size_t n, std::int64_t slot_offset) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (slot_offset < 0) ThrowInvalid("slot_offset must be >= 0, got ", slot_offset);
-  if (slot_offset + static_cast<std::int64_t>(n) > rows) {
-    ThrowInvalid("copy_block_offsets: rows ", slot_offset, "..", slot_offset + static_cast<std::int64_t>(n) - 1,
-                 " do not fit an output with ", rows, " rows");
+  if (rows < 0 || width < 0) ThrowInvalid("copy_block_offsets: negative output shape ", rows, " x ", width);
+  // Compared without forming slot_offset + n, which can overflow.
+  if (slot_offset > rows || static_cast<std::uint64_t>(n) > static_cast<std::uint64_t>(rows - slot_offset)) {
+    ThrowInvalid("copy_block_offsets: ", n, " rows from slot_offset ", slot_offset, " do not fit an output with ", rows,
+                 " rows");
   }
   std::int32_t widest = 0;
   std::vector<const Sequence*> seqs;
@@ -713,6 +769,67 @@ void KVCacheManager::CheckInvariants() const {
   }
   tree_->CheckInvariants();
   for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
+  CheckOwnership();
+}
+
+void KVCacheManager::CheckOwnership() const {
+  // 1. Every release record whose block was not handed out again names its sequence among the
+  //    block's releasers, and the releaser lists hold nothing else.
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const WindowBlockManager& wm = *windows_[w];
+    std::vector<std::vector<SeqId>> expected(static_cast<std::size_t>(wm.num_primary() + wm.num_secondary()));
+    for (const auto& [id, seq] : sequences_) {
+      for (const auto& [b, generation] : seq.windows[w].released) {
+        if (b == kNullBlock) continue;
+        KVC_CHECK(generation <= wm.Generation(b), detail::Concat("request ", id, ": release record of block ", b,
+                                                                 " is newer than the block"));
+        if (wm.Generation(b) == generation) expected[static_cast<std::size_t>(b)].push_back(id);
+      }
+    }
+    for (std::size_t b = 0; b < expected.size(); ++b) {
+      std::vector<SeqId> got = wm.Releasers(static_cast<BlockId>(b));
+      std::sort(got.begin(), got.end());
+      std::sort(expected[b].begin(), expected[b].end());
+      KVC_CHECK(got == expected[b], detail::Concat("window ", window_sizes_[w], ": block ", b, " has ", got.size(),
+                                                   " releasers but ", expected[b].size(), " current release records"));
+    }
+  }
+  // 2. A cached block that a sequence holds, or still owns through a current release record, is
+  //    the tree node of that sequence's own prefix at that position: same depth, same key, same
+  //    chained hash. (A block cached under another prefix would serve that prefix stale KV.)
+  for (const auto& [id, seq] : sequences_) {
+    const std::int32_t full_blocks = seq.num_tokens / tpb_;
+    std::vector<std::uint64_t> chain(static_cast<std::size_t>(full_blocks));
+    std::uint64_t hash = 0;
+    for (std::int32_t d = 0; d < full_blocks; ++d) {
+      hash = ChainHash(hash, seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_, tpb_,
+                       BlockExtrasDigest(seq.extras, d, d * tpb_, tpb_));
+      chain[static_cast<std::size_t>(d)] = hash;
+    }
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      const WindowBlockManager& wm = *windows_[w];
+      const SequenceWindow& sw = seq.windows[w];
+      auto check = [&](BlockId b, std::int32_t j) {
+        const NodeId node = wm.NodeOf(b);
+        if (node == kNoNode) return;
+        const bool same = j < full_blocks && tree_->Depth(node) == j + 1 && tree_->NumTokens(node) == tpb_ &&
+                          std::equal(seq.tokens.begin() + static_cast<std::ptrdiff_t>(j) * tpb_,
+                                     seq.tokens.begin() + static_cast<std::ptrdiff_t>(j + 1) * tpb_,
+                                     tree_->Tokens(node)) &&
+                          tree_->Hash(node) == chain[static_cast<std::size_t>(j)];
+        KVC_CHECK(same, detail::Concat("request ", id, ", window ", window_sizes_[w], ": block ", b, " at position ", j,
+                                       " is cached under a different prefix (tree node ", node, ", depth ",
+                                       tree_->Depth(node), ")"));
+      };
+      for (std::int32_t j = 0; j < sw.front_null; ++j) {
+        const auto [b, generation] = sw.released[static_cast<std::size_t>(j)];
+        if (b != kNullBlock && wm.Generation(b) == generation) check(b, j);
+      }
+      for (auto j = sw.front_null; j < static_cast<std::int32_t>(sw.blocks.size()); ++j) {
+        check(sw.blocks[static_cast<std::size_t>(j)], j);
+      }
+    }
+  }
 }
 
 }  // namespace kvcache

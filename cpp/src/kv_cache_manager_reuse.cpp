@@ -109,7 +109,11 @@ KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::
   return plan;
 }
 
-std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only, bool pin) {
+std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
+                                       std::vector<std::vector<BlockId>>* pinned) {
+  // Only positions the sequence still has, whose KV it has written, may be stored.
+  KVC_CHECK(key_len < seq.num_tokens, detail::Concat("request ", seq.id, ": storing ", key_len, " of ",
+                                                     seq.num_tokens, " tokens"));
   if (key_len <= 0) return 0;
   const std::int32_t num_blocks = full_only ? key_len / tpb_ : (key_len + tpb_ - 1) / tpb_;
   const std::size_t nw = windows_.size();
@@ -166,7 +170,10 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
           last_stored[w] = d;
         }
       }
-      if (pin && tree_->Block(node, wi) != kNullBlock) Pin(w, tree_->Block(node, wi));
+      if (pinned != nullptr && tree_->Block(node, wi) != kNullBlock) {
+        Pin(w, tree_->Block(node, wi));
+        (*pinned)[w].push_back(tree_->Block(node, wi));
+      }
     }
     newly += any ? 1 : 0;
     parent = node;
@@ -194,15 +201,49 @@ std::int32_t KVCacheManager::StoreContextBlocks(SeqId id) {
   const Sequence& seq = Find(id);
   if (!reuse_) return 0;
   if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return 0;
-  return StoreChain(seq, seq.prompt_len - 1, /*full_only=*/true, /*pin=*/false);
+  return StoreChain(seq, std::min(seq.prompt_len, seq.num_tokens) - 1, /*full_only=*/true, nullptr);
 }
 
-void KVCacheManager::PinBlocks(SeqId id) {
+std::map<WindowSize, std::vector<BlockId>> KVCacheManager::PinnedByWindow(
+    std::vector<std::vector<BlockId>> pinned) const {
+  std::map<WindowSize, std::vector<BlockId>> out;
+  for (std::size_t w = 0; w < windows_.size(); ++w) out[window_sizes_[w]] = std::move(pinned[w]);
+  return out;
+}
+
+std::map<WindowSize, std::vector<BlockId>> KVCacheManager::PinBlocks(SeqId id) {
   std::lock_guard<std::mutex> lock(mu_);
   const Sequence& seq = Find(id);
   if (!reuse_) throw KVCacheError("pin_blocks needs block reuse (enable_block_reuse)");
-  if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return;
-  StoreChain(seq, seq.num_tokens - 1, /*full_only=*/true, /*pin=*/true);
+  std::vector<std::vector<BlockId>> pinned(windows_.size());
+  if (seq.valid_for_reuse || swa_policy_ == SwaReusePolicy::kPlaceholder) {
+    StoreChain(seq, seq.num_tokens - 1, /*full_only=*/true, &pinned);
+  }
+  return PinnedByWindow(std::move(pinned));
+}
+
+void KVCacheManager::UnpinBlocks(const std::map<WindowSize, std::vector<BlockId>>& pinned) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Check first: every listed block needs as many pins as it is listed.
+  std::vector<std::map<BlockId, std::int32_t>> count(windows_.size());
+  for (const auto& [window, blocks] : pinned) {
+    const std::size_t w = WindowIndex(window);
+    const WindowBlockManager& wm = *windows_[w];
+    for (const BlockId b : blocks) {
+      if (b < 0 || b >= wm.num_primary() + wm.num_secondary()) {
+        ThrowInvalid("unpin_blocks_by_id: block ", b, " is not a block of window ", window);
+      }
+      if (++count[w][b] > pins_[w][static_cast<std::size_t>(b)]) {
+        ThrowInvalid("unpin_blocks_by_id: block ", b, " of window ", window, " is listed ", count[w][b],
+                     " times but has ", pins_[w][static_cast<std::size_t>(b)], " pins");
+      }
+    }
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    for (const auto& [b, times] : count[w]) {
+      for (std::int32_t i = 0; i < times; ++i) Unpin(w, b);
+    }
+  }
 }
 
 void KVCacheManager::UnpinBlocksById(const std::vector<BlockId>& blocks, std::optional<WindowSize> window) {
@@ -237,10 +278,7 @@ void KVCacheManager::RefreshBlocks() {
 std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std::size_t n,
                                                      const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (n == 0) ThrowInvalid("get_reusable_prefix_length: the prompt is empty");
-  for (std::size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0) ThrowInvalid("token ", i, " is negative (", tokens[i], ")");
-  }
+  ValidatePrompt(tokens, n, "get_reusable_prefix_length");
   return reuse_ ? PlanReuse(tokens, n, extras).reused_tokens : 0;
 }
 

@@ -29,7 +29,7 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
   generation_.assign(total, 0);
   node_of_.assign(total, kNoNode);
   priority_.assign(total, static_cast<std::int8_t>(kDefaultPriority));
-  released_oow_.assign(total, 0);
+  releasers_.assign(total, {});
   expiry_ms_.assign(total, 0);
   primary_.assign(pools_.size(), nullptr);
   secondary_.assign(pools_.size(), nullptr);
@@ -89,20 +89,34 @@ void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int
   events_->Push(std::move(e));
 }
 
-BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced) {
-  const BlockId b = policy_.Peek(CacheLevel::kPrimary);
-  KVC_CHECK(b != kNullBlock, detail::Concat("window ", window_, " has no free block to hand out"));
+BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
+                                  std::vector<SeqId>* displaced) {
+  KVC_CHECK(IsPrimary(b) && ref_count_[b] == 0,
+            detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
   policy_.Remove(b);
-  *displaced = (released_oow_[b] != 0 && owner_[b] != owner) ? owner_[b] : -1;
-  if (node_of_[b] != kNoNode) EvictCached(b);
+  if (node_of_[b] != kNoNode) {
+    if (offload) {
+      EvictCached(b);
+    } else {
+      Drop(b);
+    }
+  }
+  displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
+  releasers_[b].clear();
   ref_count_[b] = 1;
   owner_[b] = owner;
   ++generation_[b];
-  released_oow_[b] = 0;
   priority_[b] = static_cast<std::int8_t>(priority);
   if (expiry_ms_[b] == 0 && expiry_ms != 0) timed_.push_back(b);
   expiry_ms_[b] = expiry_ms;
   return b;
+}
+
+BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms,
+                                    std::vector<SeqId>* displaced) {
+  const BlockId b = policy_.Peek(CacheLevel::kPrimary);
+  KVC_CHECK(b != kNullBlock, detail::Concat("window ", window_, " has no free block to hand out"));
+  return Grant(b, owner, priority, expiry_ms, /*offload=*/true, displaced);
 }
 
 void WindowBlockManager::EvictCached(BlockId victim) {
@@ -144,17 +158,25 @@ void WindowBlockManager::Claim(BlockId b) {
   ++ref_count_[b];
 }
 
-void WindowBlockManager::Release(BlockId b, bool to_front, bool out_of_window) {
+void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
   KVC_CHECK(ref_count_[b] > 0, detail::Concat("window ", window_, ": release of free block ", b));
-  if (out_of_window) released_oow_[b] = 1;
+  if (released_by >= 0) releasers_[b].push_back(released_by);
   if (--ref_count_[b] == 0) {
     const int q = QueuePriority(b);
     policy_.Push(b, q, to_front && q == EvictionPolicy::kScratch);
   }
 }
 
+void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {
+  auto& list = releasers_[b];
+  const auto it = std::find(list.begin(), list.end(), seq);
+  KVC_CHECK(it != list.end(), detail::Concat("window ", window_, ": request ", seq, " has no release record of block ", b));
+  *it = list.back();
+  list.pop_back();
+}
+
 BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
-                                    SeqId* displaced) {
+                                    std::vector<SeqId>* displaced) {
   KVC_CHECK(!IsPrimary(s) && ref_count_[s] > 0, "onboard needs a claimed secondary block");
   const BlockId p = Acquire(owner, priority, expiry_ms, displaced);
   if (backend_->HasMemory()) {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -170,14 +171,21 @@ class KVCacheManager {
   /// Appends tokens[i] to ids[i] for a whole batch; all or nothing.
   void AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n);
   /// Ends sequence `id`: with reuse on (and the sequence valid, or under kPlaceholder) stores its
-  /// blocks in the reuse tree first; `pin` keeps the stored blocks referenced until unpinned.
-  void RemoveSequence(SeqId id, bool store_for_reuse = true, bool pin = false);
-  /// Stores the sequence's full prompt blocks now; returns the block positions newly stored.
+  /// blocks in the reuse tree first; `pin` (needs reuse) keeps the stored blocks referenced until
+  /// unpinned and returns the pinned blocks per window (empty lists otherwise).
+  std::map<WindowSize, std::vector<BlockId>> RemoveSequence(SeqId id, bool store_for_reuse = true,
+                                                            bool pin = false);
+  /// Stores the sequence's full prompt blocks now (at most its first num_tokens - 1 tokens);
+  /// returns the block positions newly stored.
   std::int32_t StoreContextBlocks(SeqId id);
-  /// Stores the sequence's full blocks and pins them in every window.
-  void PinBlocks(SeqId id);
-  /// Unpins the chain ending at each block (and its ancestors) in `window`, or in every window
-  /// when `window` is nullopt (block ids are then those of the full-attention window).
+  /// Stores the sequence's full blocks and pins, in every window, the cached block of each stored
+  /// position. Returns the pinned blocks per window: exactly what UnpinBlocks takes.
+  std::map<WindowSize, std::vector<BlockId>> PinBlocks(SeqId id);
+  /// Drops one pin of each listed block of each window (as PinBlocks / RemoveSequence returned
+  /// them). All or nothing: a block without that many pins raises std::invalid_argument.
+  void UnpinBlocks(const std::map<WindowSize, std::vector<BlockId>>& pinned);
+  /// Legacy form: unpins the chain ending at each block (and its ancestors) in `window`, or in
+  /// every window when `window` is nullopt (block ids are then those of the full-attention window).
   void UnpinBlocksById(const std::vector<BlockId>& blocks, std::optional<WindowSize> window);
   /// Once per engine step: timed priorities that expired return to the default; copies finish.
   void RefreshBlocks();
@@ -252,15 +260,51 @@ class KVCacheManager {
   std::int64_t NowMs() const;
   /// Priority and expiry of block position `j` of `seq`.
   std::pair<int, std::int64_t> BlockPriority(const Sequence& seq, std::int32_t j) const;
-  /// Hands out a block of window `w` to `seq`, invalidating a displaced live owner.
-  BlockId AcquireFor(std::size_t w, const Sequence& seq, std::int32_t position);
-  void InvalidateIfLive(SeqId displaced);
+
+  /// How a block reaches a sequence position (see Attach).
+  enum class Handout : std::uint8_t {
+    kFresh,     ///< the next free primary block (the eviction victim), writable
+    kShare,     ///< cached block `b` (any level), read-only: one more reference
+    kTakeOver,  ///< free primary block `b` whose first tokens are reused, made private and writable
+    kOnboard,   ///< the claimed secondary block at that position moves into a fresh primary block
+  };
+  /// How a block leaves a sequence position (see Detach).
+  enum class Leave : std::uint8_t {
+    kOutOfWindow,  ///< a sliding window moved past it: the sequence keeps a record of its content
+    kRewind,       ///< rewound tokens: the block goes to the front of the scratch queue
+    kEnd,          ///< the sequence ends
+  };
+  /// The one door through which a block reaches a sequence: position `j` of `seq` in window `w`
+  /// gets a block as `how` says and the block id is stored there. Writable hand-outs go through
+  /// WindowBlockManager::Grant (owner recorded, generation bumped) and invalidate every other
+  /// live sequence that had released the block out of window. Returns the block.
+  BlockId Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b = kNullBlock);
+  /// The one door through which a block leaves a sequence: position `j` of `seq` in window `w`
+  /// gives up its block. kOutOfWindow also moves the front and records (block, generation).
+  void Detach(Sequence& seq, std::size_t w, std::int32_t j, Leave why);
+  /// Drops the sequence's release records from the blocks' releaser lists (it is ending).
+  void ForgetReleases(const Sequence& seq);
+  void InvalidateDisplaced(const Sequence& seq);
+  /// True if block position `j` of `seq` in window `w` may be written in place: no other holder,
+  /// no cached identity and no other sequence's record of its content.
+  bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
+  /// Checks ownership state: release records mirror the blocks' releaser lists, and every cached
+  /// block a sequence holds (or still owns by a valid release record) is the tree node of that
+  /// sequence's own prefix at that position.
+  void CheckOwnership() const;
   std::vector<std::int32_t> PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
                                                std::vector<std::int32_t>* front) const;
   ReusePlan PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
-  /// `full_only`); pins each stored block when `pin`. Returns positions newly stored.
-  std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only, bool pin);
+  /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
+  /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
+  std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
+                          std::vector<std::vector<BlockId>>* pinned);
+  /// Pinned block lists per window index, keyed by window size.
+  std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
+  /// Validates a prompt handed to AddSequence or a query: non-empty, at most max_seq_len tokens,
+  /// no negative token. `who` starts the error message.
+  void ValidatePrompt(const TokenId* tokens, std::size_t n, const std::string& who) const;
   void Pin(std::size_t w, BlockId b);
   void Unpin(std::size_t w, BlockId b);
 
@@ -290,6 +334,7 @@ class KVCacheManager {
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;
   std::vector<BlockId> shared_release_;
+  std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
   mutable std::mutex mu_;
 };
 

@@ -44,8 +44,9 @@ struct WindowReuseOptions {
 };
 
 /// Owns the pools of one window and the state of each block: reference count, owner and
-/// generation (bumped at every hand-out), retention priority, and the link to the reuse-tree
-/// node whose content it caches. Block ids are slots: primary [0, num_primary), secondary after.
+/// generation (bumped at every Grant, i.e. whenever the block may be written again), the live
+/// sequences that released it out of window, retention priority, and the link to the
+/// reuse-tree node whose content it caches. Block ids are slots: primary [0, num_primary), secondary after.
 /// An unreferenced block sits in the free queues: at its priority if it caches content, in the
 /// scratch queue otherwise. Not thread-safe; the manager serializes access.
 class WindowBlockManager {
@@ -79,19 +80,29 @@ class WindowBlockManager {
   int Priority(BlockId b) const { return priority_[b]; }
   const EvictionPolicy& policy() const { return policy_; }
 
-  /// Hands out the next free primary block to `owner` with one reference and `priority`.
-  /// Cached content of the victim is offloaded to a secondary block when allowed, else dropped
-  /// from the tree. If the victim had been released out of window by a sequence other than
-  /// `owner`, that sequence is written to *displaced (else -1). Precondition: a free block.
-  BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced);
-  /// Takes a reference on `b` (cached blocks may be free: they leave the free queues).
+  /// The one way a block becomes writable by a sequence: takes free block `b` out of the free
+  /// queues and ends its cached identity (offloaded to a secondary block when `offload` and
+  /// allowed, else dropped from the tree), then gives it one reference, owner `owner`, a new
+  /// generation, `priority` and `expiry_ms`. Every live sequence that had released `b` out of
+  /// window (its record of `b`'s content is now stale) is appended to *displaced.
+  BlockId Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
+                std::vector<SeqId>* displaced);
+  /// Grant of the next free primary block (the eviction victim). Precondition: a free block.
+  BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  /// Takes a read-only reference on `b` (cached blocks may be free: they leave the free queues).
   void Claim(BlockId b);
   /// Drops one reference; at zero the block is queued (cached: at its priority; else scratch,
-  /// at the front if `to_front`). `out_of_window` marks a release by a running sequence.
-  void Release(BlockId b, bool to_front = false, bool out_of_window = false);
-  /// Moves the content of claimed secondary block `s` into a fresh primary block for `owner`
+  /// at the front if `to_front`). `released_by` >= 0 names a running sequence that releases `b`
+  /// out of window and keeps a record of its content (until the next Grant or ForgetRelease).
+  void Release(BlockId b, bool to_front = false, SeqId released_by = -1);
+  /// Removes one record of `seq` from `b`'s releasers (the sequence ended).
+  void ForgetRelease(BlockId b, SeqId seq);
+  /// Live sequences that released `b` out of window since its last Grant.
+  const std::vector<SeqId>& Releasers(BlockId b) const { return releasers_[b]; }
+  /// Moves the content of claimed secondary block `s` into a Grant-ed primary block for `owner`
   /// and relinks the tree node to it; releases `s`. Returns the primary block.
-  BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms, SeqId* displaced);
+  BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
+                  std::vector<SeqId>* displaced);
   /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
   void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
 
@@ -136,7 +147,7 @@ class WindowBlockManager {
   std::vector<std::uint32_t> generation_;
   std::vector<NodeId> node_of_;
   std::vector<std::int8_t> priority_;
-  std::vector<std::uint8_t> released_oow_;
+  std::vector<std::vector<SeqId>> releasers_;  // live sequences holding a record of the content
   std::vector<std::int64_t> expiry_ms_;
   std::vector<BlockId> timed_;  // blocks with an expiry
   std::int64_t offloaded_ = 0;
