@@ -8,6 +8,10 @@
 //     holds (reused full blocks and the copied or taken-over positions of a partial block);
 //   - after the prefill and after every decode step (when the KV of the newest token has been
 //     written), positions [max(0, n - W), n) of every window W (everything for full attention).
+// Besides stale reads it reports: attended positions without a block, a failed call (out of
+// blocks, refused rewind) that changed the manager's state, and, under
+// SwaReusePolicy::kInvalidate, a request that is still valid for reuse after another request
+// wrote into a block it had released out of window (its KV there is gone).
 //
 // A. Deterministic regressions: the known stale-KV causes, then API edge cases.
 // B. A seeded randomized engine run over many configurations (windows, tokens per block, partial
@@ -33,6 +37,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -80,6 +85,10 @@ struct Request {
   ReuseExtras extras;
   std::int32_t prompt_len = 0;
   std::int32_t written = 0;  // positions [0, written) hold this request's KV
+  std::vector<std::vector<BlockId>> blocks;  // per window index, as of the last call on it
+  // (window index, block) it released out of window that still hold its KV, as far as the
+  // engine knows (no other request has written into them since).
+  std::set<std::pair<std::size_t, BlockId>> released;
 
   std::int32_t size() const { return static_cast<std::int32_t>(tokens.size()); }
   void Append(TokenId t) {
@@ -108,7 +117,10 @@ struct Anomaly {
 
   std::string ToString() const {
     std::ostringstream os;
-    os << what << " [" << context << "] " << phase << ": seq " << seq;
+    os << what;
+    if (!context.empty()) os << " [" << context << "]";
+    os << " " << phase << ": seq " << seq;
+    if (position < 0 && block != N) os << " window " << window << " block " << block;
     if (position >= 0) {
       os << " window " << window << " layer " << layer << " position " << position << " block " << block;
       char buf[64];
@@ -124,7 +136,8 @@ struct Anomaly {
 
 class FakeEngine {
  public:
-  FakeEngine(const ModelSpec& model, const ManagerConfig& config) : m_(model, config) {
+  FakeEngine(const ModelSpec& model, const ManagerConfig& config)
+      : m_(model, config), invalidate_policy_(config.swa_reuse_policy == SwaReusePolicy::kInvalidate) {
     m_.SetFakeTimeMs(0);
     const auto& windows = m_.window_sizes();
     layers_.resize(windows.size());
@@ -141,6 +154,7 @@ class FakeEngine {
   const Request& request(SeqId id) const { return live_.at(id); }
   void set_context(std::string context) { context_ = std::move(context); }
   std::int64_t num_anomalies() const { return num_anomalies_; }
+  std::int64_t num_stale_reads() const { return num_stale_reads_; }
   std::int64_t positions_checked() const { return positions_checked_; }
   bool clean() const { return num_anomalies_ == 0; }
 
@@ -160,6 +174,7 @@ class FakeEngine {
     for (const TokenId t : prompt) r.Append(t);
     r.prompt_len = r.size();
     r.written = reused;
+    Observe(id);
     if (reused < 0 || reused >= r.size()) Report(Anomaly{"bad reused length", context_, "AddSequence", id});
     CheckReused(id, reused);
     WritePending({id});
@@ -170,7 +185,10 @@ class FakeEngine {
   /// One decode step of a batch: AddTokens, then the KV of each new token, then the checks.
   void Step(const std::vector<SeqId>& ids, const std::vector<TokenId>& tokens) {
     Guarded("AddTokens", [&] { m_.AddTokens(ids.data(), tokens.data(), ids.size()); });
-    for (std::size_t i = 0; i < ids.size(); ++i) live_.at(ids[i]).Append(tokens[i]);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      live_.at(ids[i]).Append(tokens[i]);
+      Observe(ids[i]);
+    }
     // All writes first: a write that lands in another batch member's block must show.
     WritePending(ids);
     for (const SeqId id : ids) CheckWindows(id, live_.at(id).size(), "decode");
@@ -181,6 +199,7 @@ class FakeEngine {
     Guarded("Rewind", [&] { m_.Rewind(id, num_tokens); });
     Request& r = live_.at(id);
     r.Truncate(r.size() - num_tokens);
+    Observe(id);
   }
 
   std::int32_t StoreContext(SeqId id) {
@@ -243,6 +262,7 @@ class FakeEngine {
 
   void Report(Anomaly a) {
     ++num_anomalies_;
+    if (a.what.rfind("stale read", 0) == 0) ++num_stale_reads_;
     if (first_.size() < 8) first_.push_back(std::move(a));
   }
 
@@ -267,6 +287,33 @@ class FakeEngine {
 
   bool ValidBlock(std::size_t w, BlockId b) const { return b >= 0 && b < layers_[w].front().view.shape[0]; }
 
+  // Refreshes the block lists of `id`: entries that became null were released out of window.
+  void Observe(SeqId id) {
+    Request& r = live_.at(id);
+    auto now = Blocks(id);
+    for (std::size_t w = 0; w < now.size() && w < r.blocks.size(); ++w) {
+      for (std::size_t j = 0; j < now[w].size() && j < r.blocks[w].size(); ++j) {
+        if (r.blocks[w][j] != N && now[w][j] == N) r.released.insert({w, r.blocks[w][j]});
+      }
+    }
+    for (std::size_t w = 0; w < now.size(); ++w) {
+      for (const BlockId b : now[w]) r.released.erase({w, b});  // its own again
+    }
+    r.blocks = std::move(now);
+  }
+
+  // The engine is about to overwrite block b of window w for `writer`. Any other request that
+  // released b out of window lost that KV: under kInvalidate it must no longer be valid for
+  // reuse (else it stores the rest of its chain, and its released entry may even be re-stored).
+  void CheckReleasers(SeqId writer, std::size_t w, BlockId b) {
+    for (auto& [id, r] : live_) {
+      if (id == writer || r.released.erase({w, b}) == 0) continue;
+      if (invalidate_policy_ && m_.IsSequenceValidForReuse(id)) {
+        Report(Anomaly{"releaser still valid", context_, "write", id, m_.window_sizes()[w], -1, -1, b});
+      }
+    }
+  }
+
   // Computes (writes) the KV of positions [written, size) of each request.
   void WritePending(const std::vector<SeqId>& ids) {
     const std::int32_t tpb = m_.tokens_per_block();
@@ -280,6 +327,7 @@ class FakeEngine {
             Report(Anomaly{"no block to write", context_, "write", id, m_.window_sizes()[w], -1, p, b});
             continue;
           }
+          CheckReleasers(id, w, b);
           for (const LayerSlot& slot : layers_[w]) {
             Write(slot.view, b, 0, p % tpb, r.tags[static_cast<std::size_t>(p)]);
             Write(slot.view, b, 1, p % tpb, ValueTag(r.tags[static_cast<std::size_t>(p)], slot.layer));
@@ -340,11 +388,13 @@ class FakeEngine {
   }
 
   KVCacheManager m_;
+  bool invalidate_policy_;
   std::vector<std::vector<LayerSlot>> layers_;  // per window index
   std::map<SeqId, Request> live_;
   std::string context_;
   std::vector<Anomaly> first_;
   std::int64_t num_anomalies_ = 0;
+  std::int64_t num_stale_reads_ = 0;
   std::int64_t positions_checked_ = 0;
 };
 
@@ -464,11 +514,42 @@ TEST(StaleKvRegressionTest, ReclaimOfAReusedOutOfWindowBlockInvalidatesItsReleas
   EXPECT_EQ(m.GetStats().num_cached_nodes, nodes) << "an invalidated request stored blocks";
   EXPECT_EQ(m.CachedBlockHashes(4), cached_sliding);
   EXPECT_EQ(m.CachedBlockHashes(32), cached_full);
+  e.Remove(3, /*store_for_reuse=*/false);
   auto longer = prompt;
   for (const TokenId t : {10, 11, 12, 13}) longer.push_back(t);
-  e.Add(4, longer);
+  e.Add(4, longer);  // whatever it reuses holds its own prefix
   EXPECT_TRUE(e.clean()) << e.Describe();
   m.CheckInvariants();
+}
+
+// Beyond the three known causes (found with the randomized test's releaser check): C reuses
+// blocks 1 and 2 of window 5 that B released out of window; D's acquire evicts block 0 of the
+// same chain, and under kInvalidate the cascade unlinks blocks 1 and 2 although C holds them.
+// C rewinds into block 2: private and uncached now, so no copy, and C writes its new tokens in
+// place. B's released entry still has block 2's old generation, so B's removal stores block 2
+// again, with C's tokens at positions 10 and 11.
+TEST(StaleKvRegressionTest, RewindIntoAReusedBlockThatACascadeUnlinkedKeepsTheReleasersKv) {
+  ManagerConfig c = ReuseConfig({5, 0}, 32, {{5, 6}, {32, 32}});
+  c.swa_reuse_policy = SwaReusePolicy::kInvalidate;
+  FakeEngine e(TagModel(2), c);
+  const auto prompt = Tokens({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13});
+  e.Add(1, prompt);
+  e.Remove(1, /*store_for_reuse=*/true);  // three blocks cached: 0, 1, 2 in both windows
+  ASSERT_EQ(e.Add(2, prompt), 12);        // B
+  ASSERT_EQ(e.Blocks(2)[0], (std::vector<BlockId>{N, 1, 2, 4}));
+  for (const TokenId t : {20, 21, 22, 23}) e.Step(2, t);
+  ASSERT_EQ(e.Blocks(2)[0], (std::vector<BlockId>{N, N, N, 4, 5}));  // 1 and 2 released
+  ASSERT_EQ(e.Add(3, prompt), 12);                                    // C
+  ASSERT_EQ(e.Blocks(3)[0], (std::vector<BlockId>{N, 1, 2, 3}));
+  e.Add(4, Tokens({90, 91}));  // D
+  ASSERT_EQ(e.Blocks(4)[0], (std::vector<BlockId>{0}));
+  e.Rewind(3, 3);  // 10 tokens: the tail is in block 2
+  e.Step(3, 70);
+  e.Step(3, 71);
+  e.Remove(2, /*store_for_reuse=*/true);
+  e.Add(5, prompt);
+  EXPECT_TRUE(e.clean()) << e.Describe();
+  e.manager().CheckInvariants();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -571,7 +652,12 @@ struct ContentConfig {
   std::int32_t max_draft = 0;
   SwaReusePolicy policy = SwaReusePolicy::kPlaceholder;
   std::int32_t pool_slack = 0;  // extra primary blocks per window
-  std::uint64_t seed = 0;
+  std::uint64_t seed = 0;  // before KVCACHE_CONTENT_SEED is added
+
+  std::uint64_t EffectiveSeed() const {
+    const char* offset = std::getenv("KVCACHE_CONTENT_SEED");
+    return seed + (offset == nullptr ? 0 : std::strtoull(offset, nullptr, 10));
+  }
 
   std::string Name() const {
     std::ostringstream os;
@@ -584,6 +670,9 @@ struct ContentConfig {
     return os.str();
   }
 };
+
+// gtest prints parameters of failing tests: the name says it all.
+void PrintTo(const ContentConfig& config, std::ostream* os) { *os << config.Name(); }
 
 std::vector<ContentConfig> ContentConfigs() {
   const std::vector<std::vector<std::int32_t>> window_sets = {{4, 0}, {3, 5, 0}, {6, 2, 9}, {5}};
@@ -626,11 +715,17 @@ std::int64_t OperationsPerConfig() {
 
 struct RunStats {
   std::int64_t operations = 0;
-  std::int64_t stale = 0;  // anomalies: stale reads, missing blocks, changed state on failure
+  std::int64_t stale = 0;      // positions read with another prefix's KV
+  std::int64_t anomalies = 0;  // stale reads and every other anomaly (see FakeEngine)
   std::int64_t positions_checked = 0;
   std::int64_t adds = 0;
   std::int64_t hits = 0;
+  std::int64_t partial_hits = 0;  // reused length not block-aligned: a copy or a takeover
   std::int64_t reused_tokens = 0;
+  std::int64_t invalidated = 0;  // requests no longer valid for reuse when they ended
+  std::int64_t offloaded = 0;
+  std::int64_t onboarded = 0;
+  std::int64_t held_after_drain = 0;  // primary blocks still referenced when everything ended
   std::int64_t out_of_blocks = 0;
   std::int64_t preemptions = 0;
   std::int64_t rewinds_below_prompt = 0;
@@ -645,7 +740,9 @@ struct Totals {
   std::int64_t configs = 0;
   std::int64_t operations = 0;
   std::int64_t stale = 0;
+  std::int64_t anomalies = 0;
   std::int64_t configs_with_stale = 0;
+  std::int64_t configs_with_anomalies = 0;
 };
 Totals& GlobalTotals() {
   static Totals totals;
@@ -657,8 +754,9 @@ class TotalsPrinter : public ::testing::Environment {
     const Totals& t = GlobalTotals();
     if (t.configs == 0) return;
     std::printf("[stale-kv] total: %" PRId64 " configurations, %" PRId64 " operations, %" PRId64
-                " stale reads/anomalies in %" PRId64 " configurations\n",
-                t.configs, t.operations, t.stale, t.configs_with_stale);
+                " stale reads in %" PRId64 " configurations, %" PRId64 " anomalies in all in %" PRId64
+                " configurations\n",
+                t.configs, t.operations, t.stale, t.configs_with_stale, t.anomalies, t.configs_with_anomalies);
   }
 };
 [[maybe_unused]] ::testing::Environment* const kTotalsPrinter =
@@ -667,7 +765,7 @@ class TotalsPrinter : public ::testing::Environment {
 class ContentRun {
  public:
   ContentRun(const ContentConfig& config, std::int64_t operations)
-      : config_(config), operations_(operations), rng_(config.seed + static_cast<std::uint64_t>(EnvInt("KVCACHE_CONTENT_SEED", 0))),
+      : config_(config), operations_(operations), rng_(config.EffectiveSeed()),
         engine_(Model(config), Manager(config)) {
     for (int b = 0; b < 3; ++b) {
       std::vector<TokenId> base;
@@ -685,7 +783,8 @@ class ContentRun {
       ++stats_.operations;
     }
     if (stats_.fatal.empty()) Attempt([&] { Drain(); });
-    stats_.stale = engine_.num_anomalies();
+    stats_.stale = engine_.num_stale_reads();
+    stats_.anomalies = engine_.num_anomalies();
     stats_.positions_checked = engine_.positions_checked();
     return stats_;
   }
@@ -725,7 +824,7 @@ class ContentRun {
 
   std::string Context(std::int64_t op) const {
     std::ostringstream os;
-    os << config_.Name() << " seed " << config_.seed << " op " << op;
+    os << config_.Name() << " seed " << config_.EffectiveSeed() << " op " << op;
     return os.str();
   }
 
@@ -818,6 +917,7 @@ class ContentRun {
     EXPECT_EQ(reused, predicted) << Context(stats_.operations) << ": GetReusablePrefixLength disagrees";
     ++stats_.adds;
     stats_.hits += reused > 0 ? 1 : 0;
+    stats_.partial_hits += reused % config_.tpb != 0 ? 1 : 0;
     stats_.reused_tokens += reused;
   }
 
@@ -890,6 +990,7 @@ class ContentRun {
     // Removal stores the key of size - 1 tokens; its last block is at position (size - 2) / tpb.
     const BlockId last = pin && r.size() >= 2 ? LargestWindowBlock(id, (r.size() - 2) / config_.tpb) : N;
     HistoryEntry entry{r.tokens, r.extras};
+    stats_.invalidated += engine_.manager().IsSequenceValidForReuse(id) ? 0 : 1;
     engine_.Remove(id, store_for_reuse, pin);
     if (pin) Record(last);
     history_.push_back(std::move(entry));
@@ -963,7 +1064,14 @@ class ContentRun {
   void Drain() {
     while (!engine_.live().empty()) Remove(engine_.live().begin()->first, true);
     if (pins_since_unpin_all_ > 0) UnpinAll();
-    engine_.manager().CheckInvariants();
+    KVCacheManager& m = engine_.manager();
+    m.CheckInvariants();
+    const KvCacheStats stats = m.GetStats();
+    stats_.offloaded = stats.offloaded_blocks;
+    stats_.onboarded = stats.onboarded_blocks;
+    // Not a stale read, so only reported: a pin that the manager lost track of (see the run's
+    // output) keeps its block forever.
+    stats_.held_after_drain = stats.used_num_blocks;
   }
 
   ContentConfig config_;
@@ -985,20 +1093,27 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
   const ContentConfig& config = GetParam();
   ContentRun run(config, OperationsPerConfig());
   const RunStats s = run.Run();
-  std::printf("[stale-kv] %s seed %" PRIu64 ": %" PRId64 " ops, %" PRId64 " stale/anomalies, %" PRId64
-              " positions checked, %" PRId64 "/%" PRId64 " hits (%" PRId64 " tokens), %" PRId64
-              " out-of-blocks, %" PRId64 " rewinds below prompt (%" PRId64 " refused), %" PRId64 " pins\n",
-              config.Name().c_str(), config.seed, s.operations, s.stale, s.positions_checked, s.hits, s.adds,
-              s.reused_tokens, s.out_of_blocks, s.rewinds_below_prompt, s.rewinds_refused, s.pins);
+  std::ostringstream line;
+  line << "[stale-kv] " << config.Name() << " seed " << config.EffectiveSeed() << ": " << s.operations << " ops, "
+       << s.stale << " stale reads, " << s.anomalies << " anomalies, " << s.positions_checked
+       << " positions checked, " << s.hits << "/" << s.adds << " hits (" << s.partial_hits << " partial, "
+       << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
+       << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.pins << " pins, " << s.invalidated
+       << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.held_after_drain
+       << " blocks held after drain";
+  std::printf("%s\n", line.str().c_str());
   RecordProperty("operations", static_cast<int>(s.operations));
   RecordProperty("stale_reads", static_cast<int>(s.stale));
+  RecordProperty("anomalies", static_cast<int>(s.anomalies));
   Totals& t = GlobalTotals();
   ++t.configs;
   t.operations += s.operations;
   t.stale += s.stale;
+  t.anomalies += s.anomalies;
   t.configs_with_stale += s.stale > 0 ? 1 : 0;
+  t.configs_with_anomalies += s.anomalies > 0 ? 1 : 0;
   EXPECT_TRUE(s.fatal.empty()) << s.fatal;
-  EXPECT_EQ(s.stale, 0) << run.Describe();
+  EXPECT_EQ(s.anomalies, 0) << run.Describe();
   EXPECT_GT(s.hits, 0) << "no prefix hit: the run tests nothing";
   EXPECT_GT(s.positions_checked, s.operations);
 }
