@@ -120,9 +120,11 @@ struct Anomaly {
     os << what;
     if (!context.empty()) os << " [" << context << "]";
     os << " " << phase << ": seq " << seq;
-    if (position < 0 && block != N) os << " window " << window << " block " << block;
-    if (position >= 0) {
-      os << " window " << window << " layer " << layer << " position " << position << " block " << block;
+    if (block != N || position >= 0) os << " window " << window;
+    if (layer >= 0) os << " layer " << layer;
+    if (position >= 0) os << " position " << position;
+    if (block != N || position >= 0) os << " block " << block;
+    if (want != got) {
       char buf[64];
       std::snprintf(buf, sizeof buf, " want %016" PRIx64 " got %016" PRIx64, want, got);
       os << buf;
@@ -220,11 +222,6 @@ class FakeEngine {
     std::vector<std::vector<BlockId>> out;
     for (const WindowSize w : m_.window_sizes()) out.push_back(m_.GetCacheBlockIds(id, w));
     return out;
-  }
-
-  /// K tag stored at (window index, block, offset in block) of the window's first layer.
-  std::uint64_t ReadK(std::size_t w, BlockId b, std::int32_t offset) const {
-    return Read(layers_[w].front().view, b, 0, offset);
   }
 
  private:
@@ -1007,8 +1004,9 @@ class ContentRun {
     if (last != N) pins_.push_back(PinRecord{last});
   }
 
-  // Unpins one chain by the block this run saw at its end (it may have been stored by another
-  // request: then the call names a block that is not stored and is refused), or everything.
+  // Unpins one chain by the block this run saw at its end, as an engine would (if another
+  // request's block was stored there instead, the call names a block that is not stored and is
+  // refused), or everything.
   void Unpin() {
     if (!pins_.empty() && Chance(60)) {
       const auto i = static_cast<std::ptrdiff_t>(Rand(pins_.size()));
@@ -1060,7 +1058,7 @@ class ContentRun {
     Remove(engine_.live().rbegin()->first, Chance(50));
   }
 
-  // The end: every request leaves, every pin goes; the pools must be whole again.
+  // The end: every request leaves and every pin we can still name goes.
   void Drain() {
     while (!engine_.live().empty()) Remove(engine_.live().begin()->first, true);
     if (pins_since_unpin_all_ > 0) UnpinAll();
@@ -1069,8 +1067,8 @@ class ContentRun {
     const KvCacheStats stats = m.GetStats();
     stats_.offloaded = stats.offloaded_blocks;
     stats_.onboarded = stats.onboarded_blocks;
-    // Not a stale read, so only reported: a pin that the manager lost track of (see the run's
-    // output) keeps its block forever.
+    // Not a stale read, so only reported: a pin on a block that left the tree (a cascade, or an
+    // onboard of a pinned secondary block) can no longer be unpinned and holds its block forever.
     stats_.held_after_drain = stats.used_num_blocks;
   }
 
