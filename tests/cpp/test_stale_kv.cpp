@@ -162,8 +162,9 @@ class FakeEngine {
 
   std::string Describe() const {
     std::ostringstream os;
-    os << num_anomalies_ << " anomalies";
-    for (const Anomaly& a : first_) os << "\n  " << a.ToString();
+    os << num_anomalies_ << " anomalies, " << num_stale_reads_ << " of them stale reads";
+    for (const Anomaly& a : first_stale_) os << "\n  " << a.ToString();
+    for (const Anomaly& a : first_other_) os << "\n  " << a.ToString();
     return os.str();
   }
 
@@ -257,10 +258,13 @@ class FakeEngine {
     }
   }
 
+  // Keeps the first few of each kind: stale reads, and everything else.
   void Report(Anomaly a) {
     ++num_anomalies_;
-    if (a.what.rfind("stale read", 0) == 0) ++num_stale_reads_;
-    if (first_.size() < 8) first_.push_back(std::move(a));
+    const bool stale = a.what.rfind("stale read", 0) == 0;
+    num_stale_reads_ += stale ? 1 : 0;
+    auto& kept = stale ? first_stale_ : first_other_;
+    if (kept.size() < 6) kept.push_back(std::move(a));
   }
 
   unsigned char* Element(const LayerView& v, BlockId b, int kv, std::int32_t offset, int half) const {
@@ -389,7 +393,8 @@ class FakeEngine {
   std::vector<std::vector<LayerSlot>> layers_;  // per window index
   std::map<SeqId, Request> live_;
   std::string context_;
-  std::vector<Anomaly> first_;
+  std::vector<Anomaly> first_stale_;
+  std::vector<Anomaly> first_other_;
   std::int64_t num_anomalies_ = 0;
   std::int64_t num_stale_reads_ = 0;
   std::int64_t positions_checked_ = 0;
