@@ -185,8 +185,8 @@ std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_token
   return below <= 0 ? 0 : static_cast<std::int32_t>(below / tpb_);
 }
 
-void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w) {
-  const std::int32_t target = ReleaseTarget(w, seq.num_tokens);
+void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
+  const std::int32_t target = ReleaseTarget(w, num_tokens);
   while (seq.windows[w].front_null < target) Detach(seq, w, seq.windows[w].front_null, Leave::kOutOfWindow);
 }
 
@@ -325,20 +325,30 @@ void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const 
   }
 }
 
+std::int32_t KVCacheManager::FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill,
+                                           const std::string& who) const {
+  if (!prefill.has_value()) return static_cast<std::int32_t>(n);
+  if (*prefill < 1) ThrowInvalid(who, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
+  return static_cast<std::int32_t>(std::min<std::int64_t>(static_cast<std::int64_t>(n),
+                                                          static_cast<std::int64_t>(reused) + *prefill));
+}
+
 std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
-                                                                          const ReuseExtras& extras) const {
+                                                                          const ReuseExtras& extras,
+                                                                          std::optional<std::int32_t> prefill) const {
   std::lock_guard<std::mutex> lock(mu_);
   ValidatePrompt(tokens, n, "get_num_blocks_to_allocate");
   const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras) : ReusePlan{};
+  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill, "get_num_blocks_to_allocate");
   std::vector<std::int32_t> front;
-  const auto need = PromptBlocksNeeded(plan, CeilDiv(static_cast<std::int64_t>(n), tpb_), &front);
+  const auto need = PromptBlocksNeeded(plan, CeilDiv(first, tpb_), &front);
   std::map<WindowSize, std::int32_t> out;
   for (std::size_t w = 0; w < windows_.size(); ++w) out[window_sizes_[w]] = need[w];
   return out;
 }
 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
-                                         const SequenceOptions& options) {
+                                         const SequenceOptions& options, std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
@@ -365,9 +375,15 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
     throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
                                       ") sequences are already registered"));
   }
-  const std::int32_t num_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
+  if (prefill.has_value() && *prefill < 1) {
+    ThrowInvalid("request ", id, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
+  }
   const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, options.extras) : ReusePlan{};
   const std::int32_t reused = plan.reused_tokens;
+  // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
+  const std::int32_t first = FirstChunkEnd(n, reused, prefill, detail::Concat("request ", id));
+  const std::int32_t num_blocks = CeilDiv(first, tpb_);
+  const std::int32_t prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
   const std::int32_t full = plan.full_blocks;
   const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
   std::vector<std::int32_t> front;
@@ -381,8 +397,8 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   }
   Sequence& seq = sequences_[id];
   seq.id = id;
-  seq.num_tokens = static_cast<std::int32_t>(n);
-  seq.prompt_len = seq.num_tokens;
+  seq.num_tokens = first;
+  seq.prompt_len = static_cast<std::int32_t>(n);
   seq.priority = priority;
   seq.explicit_priority = options.priority.has_value() || !options.priority_ranges.empty();
   seq.priority_ranges = options.priority_ranges;
@@ -444,7 +460,7 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
       ++fresh;
     }
     const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
-    const std::int64_t missed_w = reuse_ ? num_blocks - reused_w : 0;
+    const std::int64_t missed_w = reuse_ ? prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
     counters_[w].alloc_total += num_blocks - front[w];
     counters_[w].alloc_new += fresh;
     counters_[w].reused += reused_w;
@@ -459,6 +475,53 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   return reused;
 }
 
+void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Sequence& seq = Find(id);
+  if (num_tokens < 1) ThrowInvalid("prefill: num_tokens must be >= 1, got ", num_tokens);
+  const std::int32_t remaining = seq.prompt_len - seq.num_tokens;
+  if (num_tokens > remaining) {
+    ThrowInvalid("prefill: request ", id, " has ", std::max(remaining, 0), " prompt tokens left, cannot prefill ",
+                 num_tokens);
+  }
+  const std::int32_t new_len = seq.num_tokens + num_tokens;
+  // The chunk's first query, at position num_tokens, attends nothing before what a sequence of
+  // num_tokens + 1 tokens keeps: the same release rule as a decode step.
+  const std::int32_t release_at = seq.num_tokens + 1;
+  const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
+  const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
+  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
+    const WindowBlockManager& wm = *windows_[w];
+    const SequenceWindow& sw = seq.windows[w];
+    std::int32_t available = wm.NumFreePrimary();
+    for (std::int32_t j = sw.front_null; j < ReleaseTarget(w, release_at); ++j) {
+      available += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
+    }
+    if (available < need) {
+      throw OutOfBlocksError(detail::Concat("prefill: request ", id, " needs ", need, " new blocks in window ",
+                                            window_sizes_[w], " for ", num_tokens, " tokens but only ", available,
+                                            " can be freed or are free"));
+    }
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    ReleaseFront(seq, w, release_at);
+    for (std::int32_t j = positions; j < positions + need; ++j) {
+      seq.windows[w].blocks.push_back(kNullBlock);
+      Attach(seq, w, j, Handout::kFresh);
+    }
+    counters_[w].alloc_total += need;
+    counters_[w].alloc_new += need;
+  }
+  seq.new_blocks += static_cast<std::int64_t>(need) * static_cast<std::int64_t>(windows_.size());
+  seq.num_tokens = new_len;
+  backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
+}
+
+std::int32_t KVCacheManager::PromptLength(SeqId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Find(id).prompt_len;
+}
+
 void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 1); }
 
 void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n) {
@@ -470,6 +533,10 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = Find(ids[i]);
     if (seq.batch_stamp == stamp_) ThrowInvalid("request id ", ids[i], " appears twice in one add_tokens call");
+    if (seq.InPrefill()) {
+      ThrowInvalid("request ", ids[i], " is still in prefill (", seq.num_tokens, " of ", seq.prompt_len,
+                   " prompt tokens have blocks): call prefill first");
+    }
     seq.batch_stamp = stamp_;
     if (tokens[i] < 0) ThrowInvalid("request ", ids[i], ": token is negative (", tokens[i], ")");
     if (seq.num_tokens >= max_seq_len_) {
@@ -515,7 +582,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     Sequence& seq = *batch_[i];
     seq.tokens.push_back(tokens[i]);
     ++seq.num_tokens;
-    for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w);
+    for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w, seq.num_tokens);
   }
   if (need == 0) return;
   for (Sequence* seq : batch_) {
@@ -562,6 +629,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   if (num_tokens >= seq.num_tokens) {
     ThrowInvalid("rewind: request ", id, " has ", seq.num_tokens, " tokens; cannot drop ", num_tokens);
   }
+  if (seq.InPrefill()) ThrowInvalid("rewind: request ", id, " is still in prefill");
   const std::int32_t new_len = seq.num_tokens - num_tokens;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const std::int32_t front = seq.windows[w].front_null;
@@ -739,8 +807,9 @@ void KVCacheManager::CheckInvariants() const {
   }
   for (const auto& [id, seq] : sequences_) {
     KVC_CHECK(seq.id == id, "sequence id mismatch");
-    KVC_CHECK(static_cast<std::int32_t>(seq.tokens.size()) == seq.num_tokens,
-              detail::Concat("request ", id, ": token count ", seq.tokens.size(), " != num_tokens ", seq.num_tokens));
+    KVC_CHECK(static_cast<std::int32_t>(seq.tokens.size()) == std::max(seq.num_tokens, seq.prompt_len),
+              detail::Concat("request ", id, ": token count ", seq.tokens.size(), " for ", seq.num_tokens,
+                             " tokens with blocks and a prompt of ", seq.prompt_len));
     KVC_CHECK(seq.num_tokens >= 1 && seq.num_tokens <= max_seq_len_, detail::Concat("request ", id, ": bad length"));
     const auto positions = static_cast<std::size_t>(CeilDiv(seq.num_tokens, tpb_));
     for (std::size_t w = 0; w < windows_.size(); ++w) {

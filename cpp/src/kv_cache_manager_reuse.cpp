@@ -112,8 +112,10 @@ KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::
 std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
                                        std::vector<std::vector<BlockId>>* pinned) {
   // Only positions the sequence still has, whose KV it has written, may be stored.
-  KVC_CHECK(key_len < seq.num_tokens, detail::Concat("request ", seq.id, ": storing ", key_len, " of ",
-                                                     seq.num_tokens, " tokens"));
+  // During chunked prefill every position with a block has been computed once its chunk ran;
+  // afterwards the last token's KV is computed only by the step that consumes it.
+  KVC_CHECK(key_len < seq.num_tokens || (seq.InPrefill() && key_len == seq.num_tokens),
+            detail::Concat("request ", seq.id, ": storing ", key_len, " of ", seq.num_tokens, " tokens"));
   if (key_len <= 0) return 0;
   const std::int32_t num_blocks = full_only ? key_len / tpb_ : (key_len + tpb_ - 1) / tpb_;
   const std::size_t nw = windows_.size();
@@ -201,7 +203,8 @@ std::int32_t KVCacheManager::StoreContextBlocks(SeqId id) {
   const Sequence& seq = Find(id);
   if (!reuse_) return 0;
   if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return 0;
-  return StoreChain(seq, std::min(seq.prompt_len, seq.num_tokens) - 1, /*full_only=*/true, nullptr);
+  // The prompt's last token is never a key; during chunked prefill, the chunks that ran so far.
+  return StoreChain(seq, std::min(seq.prompt_len - 1, seq.num_tokens), /*full_only=*/true, nullptr);
 }
 
 std::map<WindowSize, std::vector<BlockId>> KVCacheManager::PinnedByWindow(

@@ -162,10 +162,19 @@ class KVCacheManager {
     return layer_to_pool_;
   }
 
-  /// Registers sequence `id` with prompt `tokens[0..n)` and gives every window blocks for it.
-  /// Returns the number of prompt tokens already cached in every window (0 without reuse).
+  /// Registers sequence `id` with prompt `tokens[0..n)`: the whole prompt is keyed and looked up
+  /// for reuse, and every window gets blocks for the reused prefix plus the first `prefill`
+  /// prompt tokens after it (nullopt: the whole prompt; otherwise >= 1). Returns the number of
+  /// prompt tokens already cached in every window (0 without reuse).
   std::int32_t AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
-                           const SequenceOptions& options = {});
+                           const SequenceOptions& options = {},
+                           std::optional<std::int32_t> prefill = std::nullopt);
+  /// Chunked prefill: gives blocks for the next `num_tokens` prompt tokens of `id`, first
+  /// releasing every sliding-window block that no query of the chunk can attend (the decode
+  /// rule at the chunk's first position). All or nothing.
+  void Prefill(SeqId id, std::int32_t num_tokens);
+  /// Prompt tokens of `id` (NumTokens counts the tokens that have blocks).
+  std::int32_t PromptLength(SeqId id) const;
   /// Appends one generated token to `id`.
   void AddToken(SeqId id, TokenId token);
   /// Appends tokens[i] to ids[i] for a whole batch; all or nothing.
@@ -193,8 +202,10 @@ class KVCacheManager {
   std::int32_t GetReusablePrefixLength(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
   /// Free primary blocks per window that AddSequence of this prompt would take now (reused
   /// blocks that are referenced cost nothing; cached free ones, onboards and fresh ones one each).
-  std::map<WindowSize, std::int32_t> GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
-                                                            const ReuseExtras& extras) const;
+  /// With `prefill`, for the first chunk only (as AddSequence with that `prefill`).
+  std::map<WindowSize, std::int32_t> GetNumBlocksToAllocate(
+      const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+      std::optional<std::int32_t> prefill = std::nullopt) const;
   bool IsSequenceValidForReuse(SeqId id) const;
   RequestStats GetRequestStats(SeqId id) const;
   /// Buffered events (empty without an event buffer); waits up to `timeout_ms` for one.
@@ -255,8 +266,12 @@ class KVCacheManager {
   std::size_t WindowIndex(WindowSize window) const;
   /// Number of leading block positions a sliding window may have released at `num_tokens`.
   std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const;
-  /// Releases the front blocks of `seq` in window `w` that left the window.
-  void ReleaseFront(Sequence& seq, std::size_t w);
+  /// Releases the front blocks of `seq` in window `w` that are out of window for a sequence of
+  /// `num_tokens` tokens.
+  void ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens);
+  /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
+  std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill,
+                             const std::string& who) const;
   std::int64_t NowMs() const;
   /// Priority and expiry of block position `j` of `seq`.
   std::pair<int, std::int64_t> BlockPriority(const Sequence& seq, std::int32_t j) const;

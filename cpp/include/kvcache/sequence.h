@@ -34,10 +34,13 @@ struct PriorityRange {
 /// One registered sequence (a request in flight).
 struct Sequence {
   SeqId id = 0;
-  std::int32_t num_tokens = 0;
+  std::int32_t num_tokens = 0;  ///< Tokens that have blocks (< prompt_len during chunked prefill).
   std::int32_t prompt_len = 0;
+  /// True while prompt tokens remain without blocks (chunked prefill).
+  bool InPrefill() const { return num_tokens < prompt_len; }
   int priority = kDefaultPriority;
-  std::vector<TokenId> tokens;          ///< Prompt then generated tokens (keys for reuse).
+  /// The whole prompt, then generated tokens (keys for reuse): max(prompt_len, num_tokens).
+  std::vector<TokenId> tokens;
   std::vector<SequenceWindow> windows;  ///< One per window, ascending window order.
   std::uint64_t batch_stamp = 0;        ///< Duplicate detection inside one batch call.
   bool explicit_priority = false;       ///< Priority or ranges given: applied to reused blocks.

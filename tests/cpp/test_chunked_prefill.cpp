@@ -1,0 +1,157 @@
+// Chunked prefill: add_sequence(prefill=k) gives blocks for the reused prefix plus k prompt
+// tokens, Prefill gives the next chunk after releasing what no query of it can attend. Exact
+// block lists per window, free counts, errors that change nothing, and the per-sequence bound.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+#include "test_util.h"
+
+namespace kvcache {
+namespace {
+
+using testing::Config;
+using testing::Iota;
+using testing::Model;
+using testing::Snapshot;
+using testing::Take;
+using Blocks = std::vector<BlockId>;
+constexpr BlockId N = kNullBlock;
+
+std::int32_t Held(const Blocks& blocks) {
+  return static_cast<std::int32_t>(std::count_if(blocks.begin(), blocks.end(), [](BlockId b) { return b != N; }));
+}
+
+TEST(ChunkedPrefillTest, WindowSmallerThanTheChunkReleasesBetweenChunks) {
+  KVCacheManager m(Model(2), Config({4, 0}, 64, {{4, 20}, {64, 20}}, 4, BackendKind::kVirtual));
+  const auto prompt = Iota(20);
+  EXPECT_EQ(m.AddSequence(1, prompt.data(), prompt.size(), {}, 8), 0);
+  EXPECT_EQ(m.NumTokens(1), 8);
+  EXPECT_EQ(m.PromptLength(1), 20);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{0, 1}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1}));
+
+  m.Prefill(1, 8);  // the chunk starts at position 8: positions < 5 are out of the window
+  EXPECT_EQ(m.NumTokens(1), 16);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, 1, 2, 3}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 2, 3}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 17);
+
+  m.Prefill(1, 4);  // starts at 16: positions < 13 are out; block 0 went to the back of the queue
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, N, N, 3, 4}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 2, 3, 4}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 18);
+  EXPECT_EQ(m.NumTokens(1), 20);
+  EXPECT_THROW(m.Prefill(1, 1), std::invalid_argument);  // nothing left to prefill
+
+  m.AddToken(1, 7);  // decode as usual: 21 tokens keep positions >= 17
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, N, N, N, 4, 5}));
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, WindowLargerThanAChunkThatIsNotAMultipleOfTheBlock) {
+  KVCacheManager m(Model(2), Config({8, 0}, 64, {{8, 10}, {64, 10}}, 4, BackendKind::kVirtual));
+  const auto prompt = Iota(14);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 3);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (Blocks{0}));
+  m.Prefill(1, 3);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (Blocks{0, 1}));
+  m.Prefill(1, 3);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (Blocks{0, 1, 2}));
+  m.Prefill(1, 3);  // positions 9..11 fit block 2: nothing new, nothing released yet
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (Blocks{0, 1, 2}));
+  EXPECT_EQ(m.GetNumFreeBlocks(8), 7);
+  m.Prefill(1, 2);  // starts at 12: positions < 5 are out, so block 0 goes before block 3 comes
+  EXPECT_EQ(m.GetCacheBlockIds(1, 8), (Blocks{N, 1, 2, 3}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 2, 3}));
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, ReuseHitEndingMidChunk) {
+  ManagerConfig c = Config({4, 0}, 64, {{4, 20}, {64, 20}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(2), c);
+  const auto stored = Iota(13);
+  m.AddSequence(1, stored.data(), stored.size());
+  m.RemoveSequence(1);  // stores 3 full blocks (token 12 is the last: never a key)
+  const auto prompt = Iota(20);
+  // Cached free blocks count one each: window 4 needs position 2 (cached) and two fresh blocks.
+  EXPECT_EQ(m.GetNumBlocksToAllocate(prompt.data(), prompt.size(), {}, 6),
+            (std::map<WindowSize, std::int32_t>{{4, 3}, {64, 5}}));
+  EXPECT_EQ(m.GetNumBlocksToAllocate(prompt.data(), prompt.size(), {}),
+            (std::map<WindowSize, std::int32_t>{{4, 3}, {64, 5}}));
+  EXPECT_EQ(m.AddSequence(2, prompt.data(), prompt.size(), {}, 6), 12);
+  EXPECT_EQ(m.NumTokens(2), 18);  // the 12 reused tokens and the first chunk of 6
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (Blocks{N, N, 2, 4, 5}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (Blocks{0, 1, 2, 4, 5}));
+  m.Prefill(2, 2);  // starts at 18: position 2's block (tokens 8..11) is out of the window
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (Blocks{N, N, N, 4, 5}));
+  EXPECT_FALSE(m.GetStats().num_free_blocks_per_window_size.empty());
+  EXPECT_EQ(m.GetRequestStats(2).reused_blocks, 3 + 3);  // per window, summed
+  EXPECT_EQ(m.GetRequestStats(2).missed_blocks, 2 + 2);  // the whole prompt's lookup
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, StoreContextBlocksStoresWhatWasPrefilled) {
+  ManagerConfig c = Config({0}, 64, {{64, 20}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(1), c);
+  const auto prompt = Iota(20);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 6);
+  EXPECT_EQ(m.StoreContextBlocks(1), 1);  // tokens 0..5 were computed: one full block
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 4);
+  m.Prefill(1, 6);
+  EXPECT_EQ(m.StoreContextBlocks(1), 2);
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 12);
+  m.Prefill(1, 8);
+  EXPECT_EQ(m.StoreContextBlocks(1), 1);  // 19 key tokens: 4 full blocks
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 16);
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, FailuresChangeNothing) {
+  KVCacheManager m(Model(1), Config({0}, 64, {{64, 3}}, 4, BackendKind::kVirtual));
+  const auto prompt = Iota(20);
+  EXPECT_THROW(m.AddSequence(1, prompt.data(), prompt.size(), {}, 0), std::invalid_argument);
+  EXPECT_EQ(m.NumSequences(), 0u);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 8);
+  const Snapshot before = Take(m, {1});
+  EXPECT_THROW(m.Prefill(1, 8), OutOfBlocksError);  // needs 2 blocks, 1 free
+  EXPECT_EQ(Take(m, {1}), before);
+  EXPECT_THROW(m.Prefill(1, 0), std::invalid_argument);
+  EXPECT_THROW(m.Prefill(1, 13), std::invalid_argument);  // 12 prompt tokens left
+  EXPECT_THROW(m.Prefill(2, 1), UnknownSequenceError);
+  EXPECT_THROW(m.AddToken(1, 5), std::invalid_argument);  // still in prefill
+  EXPECT_THROW(m.Rewind(1, 1), std::invalid_argument);
+  EXPECT_EQ(Take(m, {1}), before);
+  m.Prefill(1, 4);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 2}));
+  EXPECT_EQ(m.NumTokens(1), 12);
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, SlidingWindowHoldsAtMostWindowPlusChunkWhateverThePrompt) {
+  constexpr std::int32_t kWindow = 8;
+  constexpr std::int32_t kTpb = 4;
+  for (const std::int32_t chunk : {3, 4, 16, 21}) {
+    KVCacheManager m(Model(2), Config({kWindow, 0}, 256, {{kWindow, 64}, {256, 64}}, kTpb, BackendKind::kVirtual));
+    const auto prompt = Iota(200);
+    m.AddSequence(1, prompt.data(), prompt.size(), {}, chunk);
+    const std::int32_t bound = (kWindow + chunk + kTpb - 1) / kTpb + 1;
+    std::int32_t most = Held(m.GetCacheBlockIds(1, kWindow));
+    while (m.NumTokens(1) < 200) {
+      m.Prefill(1, std::min(chunk, 200 - m.NumTokens(1)));
+      most = std::max(most, Held(m.GetCacheBlockIds(1, kWindow)));
+      m.CheckInvariants();
+    }
+    EXPECT_LE(most, bound) << "chunk " << chunk;
+    EXPECT_GE(most, bound - 2) << "chunk " << chunk;  // the bound is close to what is needed
+    EXPECT_EQ(m.GetNumFreeBlocks(256), 64 - 50);
+  }
+}
+
+}  // namespace
+}  // namespace kvcache
