@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "init_guard.h"  // first: the KVCacheManager type caster must precede every use
 #include "int_arg.h"
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
@@ -546,6 +547,7 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
           pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
           pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder");
+  RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)
       .def_property_readonly("max_seq_len", &M::max_seq_len)

@@ -248,7 +248,9 @@ class KVCacheManager(_core.KVCacheManager):
     release the GIL).
 
     Request ids are ints in ``[0, 2**63)``; an id or other integer argument out of range raises
-    ``ValueError`` naming the argument (``has_sequence`` of a negative id is ``False``).
+    ``ValueError`` naming the argument (``has_sequence`` of a negative id is ``False``). A
+    manager is initialized once: a method called before ``__init__`` ran, or a second
+    ``__init__``, raises ``RuntimeError``.
 
     Example:
         >>> from kvcache import KVCacheManager, KvCacheConfig, ModelConfig
@@ -297,6 +299,7 @@ class KVCacheManager(_core.KVCacheManager):
         Raises:
             ValueError: Bad arguments, or a budget too small for one block per window.
             KVCacheError: The pools could not be allocated.
+            RuntimeError: This manager is already initialized; nothing was changed.
         """
         if primary_bytes is None:
             if config.max_gpu_total_bytes is not None:

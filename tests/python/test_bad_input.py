@@ -1,10 +1,14 @@
-"""Bad input to the manager: out-of-range integers.
+"""Bad input to the manager: uninitialized or re-initialized objects, out-of-range integers.
 
-Every case checks the exact exception type and that the message names the argument.
+Every case checks the exact exception type and that the message names the argument (or the
+class, for lifecycle errors).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +55,105 @@ def native_kwargs(**overrides: Any) -> dict[str, Any]:
 
 def offsets_table() -> np.ndarray:
     return np.full((2, 4, 2, 16), 99, dtype=np.int32)  # [num_pools, rows, kv_factor, width]
+
+
+# --------------------------------------------------------------------------------------
+# Lifecycle: a method before __init__, a second __init__
+# --------------------------------------------------------------------------------------
+
+# Runs in a subprocess: before the fix these calls hung or crashed the interpreter.
+_UNINITIALIZED_SCRIPT = """
+import json, sys
+import numpy as np
+import kvcache
+from kvcache import _core
+cls = kvcache.KVCacheManager if sys.argv[1] == "kvcache" else _core.KVCacheManager
+m = cls.__new__(cls)
+calls = {
+    "add_token": lambda: m.add_token(1, 1),
+    "add_tokens": lambda: m.add_tokens([1], [1]),
+    "num_sequences": lambda: m.num_sequences,
+    "window_sizes": lambda: m.window_sizes,
+    "copy_block_offsets": lambda: m.copy_block_offsets(np.zeros((1, 1, 2, 1), np.int32), [1]),
+    "remove_sequence": lambda: m.remove_sequence(1),
+    "num_tokens": lambda: m.num_tokens(1),
+    "has_sequence": lambda: m.has_sequence(1),
+    "get_cache_block_ids": lambda: m.get_cache_block_ids(1),
+    "rewind": lambda: m.rewind(1, 1),
+    "store_context_blocks": lambda: m.store_context_blocks(1),
+    "pin_blocks": lambda: m.pin_blocks(1),
+    "get_num_free_blocks": lambda: m.get_num_free_blocks(),
+    "refresh_blocks": lambda: m.refresh_blocks(),
+    "check_invariants": lambda: m.check_invariants(),
+    "get_buffers": lambda: m.get_buffers(0),
+}
+if cls is _core.KVCacheManager:
+    calls["_add_sequence"] = lambda: m._add_sequence(1, [1])
+    calls["_stats_dict"] = lambda: m._stats_dict()
+    calls["_latest_events"] = lambda: m._latest_events(0)
+else:
+    calls["add_sequence"] = lambda: m.add_sequence(1, [1])
+    calls["get_kv_cache_stats"] = lambda: m.get_kv_cache_stats()
+    calls["get_latest_events"] = lambda: m.get_latest_events()
+    calls["get_reusable_prefix_length"] = lambda: m.get_reusable_prefix_length([1])
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = ["no error", ""]
+    except Exception as e:
+        out[name] = [type(e).__name__, str(e)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("which", ["kvcache", "_core"])
+def test_methods_of_an_uninitialized_manager_raise(which: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNINITIALIZED_SCRIPT, which],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"interpreter died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout)
+    assert len(results) >= 19
+    for name, (exc_type, message) in results.items():
+        assert exc_type == "RuntimeError", (name, exc_type, message)
+        assert "KVCacheManager is not initialized" in message, (name, message)
+
+
+def test_second_init_raises_and_changes_nothing() -> None:
+    m = make()
+    config = m.config
+    other = KvCacheConfig(tokens_per_block=8, backend="host")
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        m.__init__(MODEL, other, max_seq_len=64, max_batch_size=4, primary_bytes=1 << 20)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        _core.KVCacheManager.__init__(m, **native_kwargs())
+    assert m.config is config
+    assert m.tokens_per_block == 4
+    assert m.window_sizes == [8, 64]
+    assert m.num_tokens(1) == 5
+    m.check_invariants()
+
+
+def test_second_init_of_the_native_class_raises() -> None:
+    m = _core.KVCacheManager(**native_kwargs())
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        m.__init__(**native_kwargs(tokens_per_block=8))  # type: ignore[misc]
+    assert m.tokens_per_block == 4
+    with pytest.raises(TypeError, match="KVCacheManager instance"):
+        _core.KVCacheManager.__init__(object(), **native_kwargs())  # type: ignore[arg-type]
+
+
+def test_init_after_a_failed_init_is_allowed() -> None:
+    m = _core.KVCacheManager.__new__(_core.KVCacheManager)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m.__init__(**native_kwargs(max_seq_len=I31))  # type: ignore[misc]
+    m.__init__(**native_kwargs())  # type: ignore[misc]
+    assert m.max_seq_len == 64
 
 
 # --------------------------------------------------------------------------------------
