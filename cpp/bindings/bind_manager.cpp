@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -12,13 +13,93 @@
 #include <vector>
 
 #include "bindings.h"
+#include "init_guard.h"  // first: the KVCacheManager type caster must precede every use
+#include "int_arg.h"
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
 
-
-
 namespace kvcache::py {
 namespace {
+
+// ---- Integer parameters: the name and range of each ----------------------------------------
+// Ranges are what the C++ type and the argument's meaning allow; the core checks the rest
+// (a known window, a registered id, a prompt that fits max_seq_len, ...).
+
+constexpr char kRequestId[] = "request_id";
+constexpr char kToken[] = "token";
+constexpr char kPriority[] = "priority";
+constexpr char kDecodePriority[] = "decode_priority";
+constexpr char kDecodeDurationMs[] = "decode_duration_ms";
+constexpr char kLoraTaskId[] = "lora_task_id";
+constexpr char kCacheSalt[] = "cache_salt";
+constexpr char kMultimodalHash[] = "multimodal content_hash";
+constexpr char kMultimodalStart[] = "multimodal start";
+constexpr char kMultimodalLength[] = "multimodal length";
+constexpr char kRangeStart[] = "priority_ranges start";
+constexpr char kRangeEnd[] = "priority_ranges end";
+constexpr char kRangePriority[] = "priority_ranges priority";
+constexpr char kRangeDurationMs[] = "priority_ranges duration_ms";
+constexpr char kNumTokens[] = "num_tokens";
+constexpr char kWindowSize[] = "window_size";
+constexpr char kBlockIds[] = "block_ids";
+constexpr char kSlotOffset[] = "slot_offset";
+constexpr char kTimeoutMs[] = "timeout_ms";
+constexpr char kNowMs[] = "now_ms";
+constexpr char kLayerIdx[] = "layer_idx";
+constexpr char kNumLayers[] = "num_layers";
+constexpr char kNumKvHeads[] = "num_kv_heads";
+constexpr char kHeadDim[] = "head_dim";
+constexpr char kKvFactor[] = "kv_factor";
+constexpr char kTokensPerBlock[] = "tokens_per_block";
+constexpr char kMaxAttentionWindow[] = "max_attention_window";
+constexpr char kMaxSeqLen[] = "max_seq_len";
+constexpr char kMaxBatchSize[] = "max_batch_size";
+constexpr char kBlocksPerWindowKey[] = "blocks_per_window window";
+constexpr char kBlocksPerWindowCount[] = "blocks_per_window count";
+constexpr char kMaxDraftTokens[] = "max_draft_tokens";
+constexpr char kOffloadMinPriority[] = "secondary_offload_min_priority";
+constexpr char kEventBufferMaxSize[] = "event_buffer_max_size";
+
+using RequestId = Int<SeqId, kRequestId, 0>;  // API: 0 <= id < 2**63
+using AnyRequestId = Int<SeqId, kRequestId>;  // has_sequence: a negative id is simply not there
+using Token = Int<TokenId, kToken, 0>;
+using Priority = Int<int, kPriority, kMinPriority, kMaxPriority>;
+using DecodePriority = Int<int, kDecodePriority, kMinPriority, kMaxPriority>;
+using DecodeDurationMs = Int<std::int64_t, kDecodeDurationMs, 0>;
+using LoraTaskId = Int<std::int64_t, kLoraTaskId>;
+using CacheSalt = Int<std::uint64_t, kCacheSalt>;
+using MultimodalArg = std::tuple<Int<std::uint64_t, kMultimodalHash>, Int<std::int32_t, kMultimodalStart, 0>,
+                                 Int<std::int32_t, kMultimodalLength, 0>>;
+using PriorityRangeArg = std::tuple<Int<std::int32_t, kRangeStart, 0>, Int<std::int32_t, kRangeEnd, -1>,
+                                    Int<int, kRangePriority, kMinPriority, kMaxPriority>,
+                                    Int<std::int64_t, kRangeDurationMs, 0>>;
+using NumTokens = Int<std::int32_t, kNumTokens, 0>;
+using WindowSizeArg = Int<WindowSize, kWindowSize, 1>;
+using BlockIdArg = Int<BlockId, kBlockIds, 0>;
+using SlotOffset = Int<std::int64_t, kSlotOffset, 0>;
+using TimeoutMs = Int<std::int64_t, kTimeoutMs, 0>;
+using NowMs = Int<std::int64_t, kNowMs>;
+using LayerIdx = Int<std::int32_t, kLayerIdx, 0>;
+using NumLayers = Int<std::int32_t, kNumLayers, 1>;
+using NumKvHeads = Int<std::int32_t, kNumKvHeads, 1>;
+using HeadDim = Int<std::int32_t, kHeadDim, 1>;
+using KvFactor = Int<std::int32_t, kKvFactor, 1, 2>;
+using TokensPerBlock = Int<std::int32_t, kTokensPerBlock, 1>;
+using AttentionWindow = Int<std::int32_t, kMaxAttentionWindow>;  // <= 0: full attention
+using MaxSeqLen = Int<std::int32_t, kMaxSeqLen, 1>;
+using MaxBatchSize = Int<std::int32_t, kMaxBatchSize, 0>;
+using BlocksPerWindow = std::map<Int<WindowSize, kBlocksPerWindowKey, 1>,
+                                 std::pair<Int<std::int32_t, kBlocksPerWindowCount, 0>,
+                                           Int<std::int32_t, kBlocksPerWindowCount, 0>>>;
+using MaxDraftTokens = Int<std::int32_t, kMaxDraftTokens, 0>;
+using OffloadMinPriority = Int<int, kOffloadMinPriority, kMinPriority, kMaxPriority>;
+using EventBufferMaxSize = Int<std::size_t, kEventBufferMaxSize>;
+
+template <typename T, const char* Name, T Lo, T Hi>
+std::optional<T> Unwrap(const std::optional<Int<T, Name, Lo, Hi>>& arg) {
+  if (!arg.has_value()) return std::nullopt;
+  return arg->value;
+}
 
 // ---- Argument conversion -------------------------------------------------------------------
 
@@ -34,7 +115,9 @@ std::vector<std::int64_t> ToInt64Vector(const pybind11::handle& obj, const char*
     if (kind == 'u' && arr.itemsize() == 8) {
       auto u = pybind11::array_t<std::uint64_t, pybind11::array::c_style>::ensure(arr);
       for (pybind11::ssize_t i = 0; i < u.size(); ++i) {
-        if (u.data()[i] > static_cast<std::uint64_t>(INT64_MAX)) ThrowInvalid(what, " value out of range");
+        if (u.data()[i] > static_cast<std::uint64_t>(INT64_MAX)) {
+          ThrowInvalid(what, "[", i, "] = ", u.data()[i], " is out of range (signed 64-bit)");
+        }
       }
     }
     out.assign(ints.data(), ints.data() + ints.size());
@@ -52,10 +135,22 @@ std::vector<std::int64_t> ToInt64Vector(const pybind11::handle& obj, const char*
     }
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
-    if (overflow != 0) ThrowInvalid(what, " value out of range");
+    if (overflow != 0) {
+      ThrowInvalid(what, "[", out.size(), "] = ", pybind11::str(item).cast<std::string>(),
+                   " is out of range (signed 64-bit)");
+    }
     out.push_back(v);
   }
   return out;
+}
+
+/// Request ids from a 1-D integer ndarray or a sequence of ints; each must be in [0, 2**63).
+std::vector<SeqId> ToRequestIds(const pybind11::handle& obj, const char* what) {
+  std::vector<SeqId> ids = ToInt64Vector(obj, what);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0) ThrowInvalid(what, "[", i, "] = ", ids[i], " is out of range [0, ", INT64_MAX, "]");
+  }
+  return ids;
 }
 
 template <typename T>
@@ -264,11 +359,11 @@ pybind11::object NumpyLayerView(const LayerView& v, const pybind11::object& owne
   return pybind11::array(pybind11::dtype(fmt), shape, strides, v.data, owner);
 }
 
-ReuseExtras MakeExtras(std::optional<std::int64_t> lora_task_id, std::optional<std::uint64_t> cache_salt,
-                       const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+ReuseExtras MakeExtras(const std::optional<LoraTaskId>& lora_task_id, const std::optional<CacheSalt>& cache_salt,
+                       const std::vector<MultimodalArg>& multimodal) {
   ReuseExtras extras;
-  extras.lora_task_id = lora_task_id;
-  extras.cache_salt = cache_salt;
+  extras.lora_task_id = Unwrap(lora_task_id);
+  extras.cache_salt = Unwrap(cache_salt);
   for (const auto& [hash, start, length] : multimodal) extras.multimodal.push_back(MultimodalItem{hash, start, length});
   return extras;
 }
@@ -277,9 +372,9 @@ ReuseExtras MakeExtras(std::optional<std::int64_t> lora_task_id, std::optional<s
 /// the GIL and calls `query(tokens, n, extras)`.
 template <typename R>
 auto PromptQuery(R (KVCacheManager::*query)(const TokenId*, std::size_t, const ReuseExtras&) const) {
-  return [query](const KVCacheManager& self, const pybind11::handle& tokens, std::optional<std::int64_t> lora_task_id,
-                 std::optional<std::uint64_t> cache_salt,
-                 const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal) {
+  return [query](const KVCacheManager& self, const pybind11::handle& tokens,
+                 const std::optional<LoraTaskId>& lora_task_id, const std::optional<CacheSalt>& cache_salt,
+                 const std::vector<MultimodalArg>& multimodal) {
     const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
     const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
     pybind11::gil_scoped_release release;
@@ -358,6 +453,74 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   return d;
 }
 
+SwaReusePolicy ParseSwaReusePolicy(const std::string& name) {
+  if (name == "invalidate") return SwaReusePolicy::kInvalidate;
+  if (name == "placeholder") return SwaReusePolicy::kPlaceholder;
+  ThrowInvalid("swa_reuse_policy must be 'invalidate' or 'placeholder', got '", name, "'");
+}
+
+/// The native constructor: every argument converted and range-checked, then the GIL released
+/// while the pools are allocated.
+std::unique_ptr<KVCacheManager> MakeManager(
+    NumLayers num_layers, const std::vector<NumKvHeads>& num_kv_heads, HeadDim head_dim, const std::string& dtype,
+    KvFactor kv_factor, TokensPerBlock tokens_per_block, const std::vector<AttentionWindow>& max_attention_window,
+    MaxSeqLen max_seq_len, MaxBatchSize max_batch_size, const BlocksPerWindow& blocks_per_window,
+    const std::string& backend, MaxDraftTokens max_draft_tokens, bool enable_block_reuse, bool enable_partial_reuse,
+    bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
+    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy) {
+  ModelSpec model;
+  model.num_layers = num_layers;
+  model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
+  model.head_dim = head_dim;
+  model.dtype = ParseDType(dtype);
+  model.kv_factor = kv_factor;
+  ManagerConfig config;
+  config.tokens_per_block = tokens_per_block;
+  config.max_attention_window.assign(max_attention_window.begin(), max_attention_window.end());
+  config.max_seq_len = max_seq_len;
+  config.max_batch_size = max_batch_size;
+  for (const auto& [w, counts] : blocks_per_window) {
+    config.blocks_per_window[w] = WindowBlocks{counts.first, counts.second};
+  }
+  config.backend = ParseBackendKind(backend);
+  config.max_draft_tokens = max_draft_tokens;
+  config.enable_block_reuse = enable_block_reuse;
+  config.enable_partial_reuse = enable_partial_reuse;
+  config.copy_on_partial_reuse = copy_on_partial_reuse;
+  config.onboard_blocks = onboard_blocks;
+  config.secondary_offload_min_priority = secondary_offload_min_priority;
+  config.event_buffer_max_size = event_buffer_max_size;
+  config.swa_reuse_policy = ParseSwaReusePolicy(swa_reuse_policy);
+  pybind11::gil_scoped_release release;
+  return std::make_unique<KVCacheManager>(model, config);
+}
+
+/// copy_block_offsets: checks the output table and the row range, then fills it natively.
+std::int32_t CopyBlockOffsets(const KVCacheManager& self, const pybind11::handle& out_obj,
+                              const pybind11::handle& request_ids, SlotOffset slot_offset) {
+  if (!pybind11::isinstance<pybind11::array>(out_obj)) ThrowInvalid("out must be a numpy.ndarray");
+  auto out = pybind11::reinterpret_borrow<pybind11::array>(out_obj);
+  if (!out.dtype().is(pybind11::dtype::of<std::int32_t>())) ThrowInvalid("out must have dtype int32");
+  if (out.ndim() != 4) ThrowInvalid("out must be 4-D [num_pools, rows, kv_factor, width]");
+  if ((out.flags() & pybind11::array::c_style) == 0) ThrowInvalid("out must be C-contiguous");
+  if (!out.writeable()) ThrowInvalid("out must be writable");
+  const auto num_pools = static_cast<pybind11::ssize_t>(self.pools().size());
+  if (out.shape(0) != num_pools) ThrowInvalid("out.shape[0] must be num_pools = ", num_pools);
+  if (out.shape(2) != self.kv_factor()) ThrowInvalid("out.shape[2] must be kv_factor = ", self.kv_factor());
+  const std::vector<SeqId> ids = ToRequestIds(request_ids, "request_ids");
+  const std::int64_t rows = out.shape(1);
+  const std::int64_t width = out.shape(3);
+  // Written as a subtraction: slot_offset + len(ids) overflows for slot_offset near 2**63.
+  const auto n = static_cast<std::int64_t>(ids.size());
+  if (slot_offset > rows - n) {
+    ThrowInvalid("copy_block_offsets: slot_offset = ", slot_offset.value, " plus ", n,
+                 " request ids does not fit an output with ", rows, " rows");
+  }
+  auto* data = static_cast<std::int32_t*>(out.mutable_data());
+  pybind11::gil_scoped_release release;
+  return self.CopyBlockOffsets(data, rows, width, ids.data(), ids.size(), slot_offset);
+}
+
 }  // namespace
 
 void BindManager(pybind11::module_& m) {
@@ -375,57 +538,17 @@ void BindManager(pybind11::module_& m) {
            pybind11::arg("dl_device") = pybind11::none(), pybind11::arg("copy") = pybind11::none());
 
   using M = KVCacheManager;
-  pybind11::class_<M>(m, "KVCacheManager", "Native KV cache manager (see kvcache.KVCacheManager).")
-      .def(pybind11::init([](std::int32_t num_layers, std::vector<std::int32_t> num_kv_heads, std::int32_t head_dim,
-                             const std::string& dtype, std::int32_t kv_factor, std::int32_t tokens_per_block,
-                             std::vector<std::int32_t> max_attention_window, std::int32_t max_seq_len,
-                             std::int32_t max_batch_size,
-                             const std::map<WindowSize, std::pair<std::int32_t, std::int32_t>>& blocks_per_window,
-                             const std::string& backend, std::int32_t max_draft_tokens, bool enable_block_reuse,
-                             bool enable_partial_reuse, bool copy_on_partial_reuse, bool onboard_blocks,
-                             int secondary_offload_min_priority, std::size_t event_buffer_max_size,
-                             const std::string& swa_reuse_policy) {
-             ModelSpec model;
-             model.num_layers = num_layers;
-             model.num_kv_heads = std::move(num_kv_heads);
-             model.head_dim = head_dim;
-             model.dtype = ParseDType(dtype);
-             model.kv_factor = kv_factor;
-             ManagerConfig config;
-             config.tokens_per_block = tokens_per_block;
-             config.max_attention_window = std::move(max_attention_window);
-             config.max_seq_len = max_seq_len;
-             config.max_batch_size = max_batch_size;
-             for (const auto& [w, counts] : blocks_per_window) {
-               config.blocks_per_window[w] = WindowBlocks{counts.first, counts.second};
-             }
-             config.backend = ParseBackendKind(backend);
-             config.max_draft_tokens = max_draft_tokens;
-             config.enable_block_reuse = enable_block_reuse;
-             config.enable_partial_reuse = enable_partial_reuse;
-             config.copy_on_partial_reuse = copy_on_partial_reuse;
-             config.onboard_blocks = onboard_blocks;
-             config.secondary_offload_min_priority = secondary_offload_min_priority;
-             config.event_buffer_max_size = event_buffer_max_size;
-             if (swa_reuse_policy == "invalidate") {
-               config.swa_reuse_policy = SwaReusePolicy::kInvalidate;
-             } else if (swa_reuse_policy == "placeholder") {
-               config.swa_reuse_policy = SwaReusePolicy::kPlaceholder;
-             } else {
-               ThrowInvalid("swa_reuse_policy must be 'invalidate' or 'placeholder', got '", swa_reuse_policy, "'");
-             }
-             pybind11::gil_scoped_release release;
-             return std::make_unique<M>(model, config);
-           }),
-           pybind11::kw_only(), pybind11::arg("num_layers"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
-           pybind11::arg("dtype"), pybind11::arg("kv_factor"), pybind11::arg("tokens_per_block"),
-           pybind11::arg("max_attention_window"), pybind11::arg("max_seq_len"), pybind11::arg("max_batch_size"),
-           pybind11::arg("blocks_per_window"), pybind11::arg("backend"), pybind11::arg("max_draft_tokens") = 0,
-           pybind11::arg("enable_block_reuse") = false, pybind11::arg("enable_partial_reuse") = true,
-           pybind11::arg("copy_on_partial_reuse") = true, pybind11::arg("onboard_blocks") = true,
-           pybind11::arg("secondary_offload_min_priority") = 30, pybind11::arg("event_buffer_max_size") = 0,
-           pybind11::arg("swa_reuse_policy") = "placeholder")
-      .def_property_readonly("window_sizes", &M::window_sizes)
+  pybind11::class_<M> cls(m, "KVCacheManager", "Native KV cache manager (see kvcache.KVCacheManager).");
+  cls.def(pybind11::init(&MakeManager), pybind11::kw_only(), pybind11::arg("num_layers"),
+          pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("dtype"), pybind11::arg("kv_factor"),
+          pybind11::arg("tokens_per_block"), pybind11::arg("max_attention_window"), pybind11::arg("max_seq_len"),
+          pybind11::arg("max_batch_size"), pybind11::arg("blocks_per_window"), pybind11::arg("backend"),
+          pybind11::arg("max_draft_tokens") = 0, pybind11::arg("enable_block_reuse") = false,
+          pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
+          pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
+          pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder");
+  RejectSecondInit(cls);
+  cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)
       .def_property_readonly("max_seq_len", &M::max_seq_len)
       .def_property_readonly("max_batch_size", &M::max_batch_size)
@@ -464,49 +587,56 @@ void BindManager(pybind11::module_& m) {
           "One dict per pool in global order (ascending window, then KV-head count).")
       .def(
           "_add_sequence",
-          [](M& self, SeqId id, const pybind11::handle& tokens, std::optional<int> priority,
-             std::optional<std::int64_t> lora_task_id, std::optional<std::uint64_t> cache_salt,
-             const std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>& multimodal,
-             const std::vector<std::tuple<std::int32_t, std::int32_t, int, std::int64_t>>& priority_ranges,
-             std::optional<int> decode_priority, std::int64_t decode_duration_ms) {
+          [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<Priority>& priority,
+             const std::optional<LoraTaskId>& lora_task_id, const std::optional<CacheSalt>& cache_salt,
+             const std::vector<MultimodalArg>& multimodal, const std::vector<PriorityRangeArg>& priority_ranges,
+             const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms) {
             std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
-            opts.priority = priority;
+            opts.priority = Unwrap(priority);
             opts.extras = MakeExtras(lora_task_id, cache_salt, multimodal);
             for (const auto& [start, end, prio, duration] : priority_ranges) {
               opts.priority_ranges.push_back(PriorityRange{start, end, prio, duration});
             }
-            opts.decode_priority = decode_priority;
+            opts.decode_priority = Unwrap(decode_priority);
             opts.decode_duration_ms = decode_duration_ms;
             pybind11::gil_scoped_release release;
             return self.AddSequence(id, toks.data(), toks.size(), opts);
           },
           pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none(),
           pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
-          pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{},
-          pybind11::arg("priority_ranges") = std::vector<std::tuple<std::int32_t, std::int32_t, int, std::int64_t>>{},
+          pybind11::arg("multimodal") = std::vector<MultimodalArg>{},
+          pybind11::arg("priority_ranges") = std::vector<PriorityRangeArg>{},
           pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0)
       .def("_get_reusable_prefix_length", PromptQuery(&M::GetReusablePrefixLength), pybind11::arg("tokens"),
            pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
-           pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
+           pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
       .def("_get_num_blocks_to_allocate", PromptQuery(&M::GetNumBlocksToAllocate), pybind11::arg("tokens"),
            pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
-           pybind11::arg("multimodal") = std::vector<std::tuple<std::uint64_t, std::int32_t, std::int32_t>>{})
-      .def("store_context_blocks", &M::StoreContextBlocks, pybind11::arg("request_id"),
-           pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")
-      .def("pin_blocks", &M::PinBlocks, pybind11::arg("request_id"),
-           "Stores the sequence's full blocks and keeps them from eviction in every window.")
-      .def("unpin_blocks_by_id", &M::UnpinBlocksById, pybind11::arg("block_ids"),
-           pybind11::arg("window_size") = pybind11::none(),
-           "Unpins the stored chains ending at these blocks (of window_size; default: the full-attention "
-           "window, unpinning every window).")
+           pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
+      .def(
+          "store_context_blocks", [](M& self, RequestId id) { return self.StoreContextBlocks(id); },
+          pybind11::arg("request_id"), pybind11::call_guard<pybind11::gil_scoped_release>(),
+          "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")
+      .def(
+          "pin_blocks", [](M& self, RequestId id) { self.PinBlocks(id); }, pybind11::arg("request_id"),
+          "Stores the sequence's full blocks and keeps them from eviction in every window.")
+      .def(
+          "unpin_blocks_by_id",
+          [](M& self, const std::vector<BlockIdArg>& block_ids, const std::optional<WindowSizeArg>& window) {
+            self.UnpinBlocksById(std::vector<BlockId>(block_ids.begin(), block_ids.end()), Unwrap(window));
+          },
+          pybind11::arg("block_ids"), pybind11::arg("window_size") = pybind11::none(),
+          "Unpins the stored chains ending at these blocks (of window_size; default: the full-attention "
+          "window, unpinning every window).")
       .def("refresh_blocks", &M::RefreshBlocks, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Once per engine step: expired timed priorities return to the default; pending copies complete.")
-      .def("is_sequence_valid_for_reuse", &M::IsSequenceValidForReuse, pybind11::arg("request_id"))
+      .def(
+          "is_sequence_valid_for_reuse", [](const M& self, RequestId id) { return self.IsSequenceValidForReuse(id); },
+          pybind11::arg("request_id"))
       .def(
           "get_request_stats",
-          [](const M& self, SeqId id) {
+          [](const M& self, RequestId id) {
             const RequestStats r = self.GetRequestStats(id);
             pybind11::dict d;
             d["reused_tokens"] = r.reused_tokens;
@@ -518,7 +648,7 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("request_id"), "Per-request reuse counters, summed over windows.")
       .def(
           "_latest_events",
-          [](M& self, std::int64_t timeout_ms) {
+          [](M& self, TimeoutMs timeout_ms) {
             std::vector<KVCacheEvent> events;
             {
               pybind11::gil_scoped_release release;
@@ -530,20 +660,17 @@ void BindManager(pybind11::module_& m) {
           },
           pybind11::arg("timeout_ms") = 0)
       .def_property_readonly("reuse_enabled", &M::reuse_enabled)
-      .def("_set_fake_time_ms", &M::SetFakeTimeMs, pybind11::arg("now_ms"),
-           "Test hook: a fixed clock for timed priorities (negative: the real clock).")
       .def(
-          "add_token",
-          [](M& self, SeqId id, std::int64_t token) {
-            if (token < 0 || token > INT32_MAX) ThrowInvalid("token ", token, " is not a valid token id");
-            self.AddToken(id, static_cast<TokenId>(token));
-          },
+          "_set_fake_time_ms", [](M& self, NowMs now_ms) { self.SetFakeTimeMs(now_ms); }, pybind11::arg("now_ms"),
+          "Test hook: a fixed clock for timed priorities (negative: the real clock).")
+      .def(
+          "add_token", [](M& self, RequestId id, Token token) { self.AddToken(id, token); },
           pybind11::arg("request_id"), pybind11::arg("token"), "Appends one generated token.")
       .def(
           "add_tokens",
           [](M& self, const pybind11::handle& request_ids, const pybind11::handle& tokens) {
-            std::vector<std::int64_t> ids = ToInt64Vector(request_ids, "request_ids");
-            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const std::vector<SeqId> ids = ToRequestIds(request_ids, "request_ids");
+            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             if (ids.size() != toks.size()) {
               ThrowInvalid("add_tokens: ", ids.size(), " request ids but ", toks.size(), " tokens");
             }
@@ -554,55 +681,41 @@ void BindManager(pybind11::module_& m) {
           "Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.")
       .def(
           "remove_sequence",
-          [](M& self, SeqId id, bool store_for_reuse, bool pin) {
+          [](M& self, RequestId id, bool store_for_reuse, bool pin) {
             pybind11::gil_scoped_release release;
             self.RemoveSequence(id, store_for_reuse, pin);
           },
           pybind11::arg("request_id"), pybind11::kw_only(), pybind11::arg("store_for_reuse") = true,
           pybind11::arg("pin") = false, "Ends a sequence and releases its blocks.")
-      .def("rewind", &M::Rewind, pybind11::arg("request_id"), pybind11::arg("num_tokens"),
-           "Drops the last num_tokens tokens, releasing blocks that become empty.")
-      .def("num_tokens", &M::NumTokens, pybind11::arg("request_id"))
-      .def("has_sequence", &M::HasSequence, pybind11::arg("request_id"))
+      .def(
+          "rewind", [](M& self, RequestId id, NumTokens num_tokens) { self.Rewind(id, num_tokens); },
+          pybind11::arg("request_id"), pybind11::arg("num_tokens"),
+          "Drops the last num_tokens tokens, releasing blocks that become empty.")
+      .def(
+          "num_tokens", [](const M& self, RequestId id) { return self.NumTokens(id); }, pybind11::arg("request_id"))
+      .def(
+          "has_sequence", [](const M& self, AnyRequestId id) { return id >= 0 && self.HasSequence(id); },
+          pybind11::arg("request_id"))
       .def_property_readonly("num_sequences", &M::NumSequences)
       .def(
           "get_cache_block_ids",
-          [](const M& self, SeqId id, std::optional<WindowSize> window) {
-            return self.GetCacheBlockIds(id, ResolveWindow(self, window));
+          [](const M& self, RequestId id, const std::optional<WindowSizeArg>& window) {
+            return self.GetCacheBlockIds(id, ResolveWindow(self, Unwrap(window)));
           },
           pybind11::arg("request_id"), pybind11::arg("window_size") = pybind11::none(),
           "Block ids per position (NULL_BLOCK where a sliding window released the block).")
       .def(
           "get_num_free_blocks",
-          [](const M& self, std::optional<WindowSize> window) {
+          [](const M& self, const std::optional<WindowSizeArg>& window) {
             return window.has_value() ? self.GetNumFreeBlocks(*window) : self.GetMinNumFreeBlocks();
           },
           pybind11::arg("window_size") = pybind11::none(),
           "Primary blocks that can be handed out now; without window_size the minimum over windows.")
-      .def(
-          "copy_block_offsets",
-          [](const M& self, const pybind11::handle& out_obj, const pybind11::handle& request_ids,
-             std::int64_t slot_offset) {
-            if (!pybind11::isinstance<pybind11::array>(out_obj)) ThrowInvalid("out must be a numpy.ndarray");
-            auto out = pybind11::reinterpret_borrow<pybind11::array>(out_obj);
-            if (!out.dtype().is(pybind11::dtype::of<std::int32_t>())) ThrowInvalid("out must have dtype int32");
-            if (out.ndim() != 4) ThrowInvalid("out must be 4-D [num_pools, rows, kv_factor, width]");
-            if ((out.flags() & pybind11::array::c_style) == 0) ThrowInvalid("out must be C-contiguous");
-            if (!out.writeable()) ThrowInvalid("out must be writable");
-            const auto num_pools = static_cast<pybind11::ssize_t>(self.pools().size());
-            if (out.shape(0) != num_pools) ThrowInvalid("out.shape[0] must be num_pools = ", num_pools);
-            if (out.shape(2) != self.kv_factor()) ThrowInvalid("out.shape[2] must be kv_factor = ", self.kv_factor());
-            std::vector<std::int64_t> ids = ToInt64Vector(request_ids, "request_ids");
-            auto* data = static_cast<std::int32_t*>(out.mutable_data());
-            const std::int64_t rows = out.shape(1);
-            const std::int64_t width = out.shape(3);
-            pybind11::gil_scoped_release release;
-            return self.CopyBlockOffsets(data, rows, width, ids.data(), ids.size(), slot_offset);
-          },
-          pybind11::arg("out"), pybind11::arg("request_ids"), pybind11::arg("slot_offset") = 0)
+      .def("copy_block_offsets", &CopyBlockOffsets, pybind11::arg("out"), pybind11::arg("request_ids"),
+           pybind11::arg("slot_offset") = 0)
       .def(
           "get_buffers",
-          [](pybind11::object self_obj, std::int32_t layer_idx) -> pybind11::object {
+          [](pybind11::object self_obj, LayerIdx layer_idx) -> pybind11::object {
             const M& self = self_obj.cast<const M&>();
             const LayerView view = self.GetLayerView(layer_idx);
             if (view.backend == BackendKind::kHost) return NumpyLayerView(view, self_obj);
@@ -613,7 +726,7 @@ void BindManager(pybind11::module_& m) {
           "head_dim]: a numpy array on the host backend, a LayerBuffer on CUDA.")
       .def(
           "_layer_buffer",
-          [](pybind11::object self_obj, std::int32_t layer_idx) {
+          [](pybind11::object self_obj, LayerIdx layer_idx) {
             const M& self = self_obj.cast<const M&>();
             const LayerView view = self.GetLayerView(layer_idx);
             return LayerBuffer(view, self_obj, view.backend == BackendKind::kCuda);

@@ -41,13 +41,26 @@ void EventLog::PushRemoved(WindowSize window, std::uint64_t hash) {
 
 std::vector<KVCacheEvent> EventLog::Take(std::int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (events_.empty() && timeout_ms > 0) {
-    cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return !events_.empty(); });
-  }
+  if (events_.empty() && timeout_ms > 0) WaitLocked(lock, timeout_ms);
   std::vector<KVCacheEvent> out(std::make_move_iterator(events_.begin()),
                                 std::make_move_iterator(events_.end()));
   events_.clear();
   return out;
+}
+
+void EventLog::WaitLocked(std::unique_lock<std::mutex>& lock, std::int64_t timeout_ms) {
+  using Clock = std::chrono::steady_clock;
+  const auto has_event = [this] { return !events_.empty(); };
+  const Clock::time_point now = Clock::now();
+  // wait_for(timeout) computes now + timeout in the clock's nanoseconds; for a timeout near
+  // INT64_MAX milliseconds that overflows into a deadline in the past, and the wait returns at
+  // once. A deadline past what the clock can represent means: wait until an event arrives.
+  const auto max_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
+  if (timeout_ms >= max_ms.count()) {
+    cv_.wait(lock, has_event);
+  } else {
+    cv_.wait_until(lock, now + std::chrono::milliseconds(timeout_ms), has_event);
+  }
 }
 
 std::uint64_t EventLog::num_dropped() const {

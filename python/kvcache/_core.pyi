@@ -72,97 +72,78 @@ class KVCacheManager:
     def __init__(
         self,
         *,
-        num_layers: typing.SupportsInt | typing.SupportsIndex,
-        num_kv_heads: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-        head_dim: typing.SupportsInt | typing.SupportsIndex,
+        num_layers: typing.SupportsIndex,
+        num_kv_heads: collections.abc.Sequence[typing.SupportsIndex],
+        head_dim: typing.SupportsIndex,
         dtype: str,
-        kv_factor: typing.SupportsInt | typing.SupportsIndex,
-        tokens_per_block: typing.SupportsInt | typing.SupportsIndex,
-        max_attention_window: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-        max_seq_len: typing.SupportsInt | typing.SupportsIndex,
-        max_batch_size: typing.SupportsInt | typing.SupportsIndex,
+        kv_factor: typing.SupportsIndex,
+        tokens_per_block: typing.SupportsIndex,
+        max_attention_window: collections.abc.Sequence[typing.SupportsIndex],
+        max_seq_len: typing.SupportsIndex,
+        max_batch_size: typing.SupportsIndex,
         blocks_per_window: collections.abc.Mapping[
-            typing.SupportsInt | typing.SupportsIndex,
-            tuple[
-                typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex
-            ],
+            typing.SupportsIndex, tuple[typing.SupportsIndex, typing.SupportsIndex]
         ],
         backend: str,
-        max_draft_tokens: typing.SupportsInt | typing.SupportsIndex = 0,
+        max_draft_tokens: typing.SupportsIndex = 0,
         enable_block_reuse: bool = False,
         enable_partial_reuse: bool = True,
         copy_on_partial_reuse: bool = True,
         onboard_blocks: bool = True,
-        secondary_offload_min_priority: typing.SupportsInt | typing.SupportsIndex = 30,
-        event_buffer_max_size: typing.SupportsInt | typing.SupportsIndex = 0,
+        secondary_offload_min_priority: typing.SupportsIndex = 30,
+        event_buffer_max_size: typing.SupportsIndex = 0,
         swa_reuse_policy: str = "placeholder",
     ) -> None: ...
     def _add_sequence(
         self,
-        request_id: typing.SupportsInt | typing.SupportsIndex,
+        request_id: typing.SupportsIndex,
         tokens: typing.Any,
-        priority: typing.SupportsInt | typing.SupportsIndex | None = None,
-        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
-        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        priority: typing.SupportsIndex | None = None,
+        lora_task_id: typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsIndex | None = None,
         multimodal: collections.abc.Sequence[
-            tuple[
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-            ]
+            tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
         ] = [],
         priority_ranges: collections.abc.Sequence[
             tuple[
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
+                typing.SupportsIndex,
+                typing.SupportsIndex,
+                typing.SupportsIndex,
+                typing.SupportsIndex,
             ]
         ] = [],
-        decode_priority: typing.SupportsInt | typing.SupportsIndex | None = None,
-        decode_duration_ms: typing.SupportsInt | typing.SupportsIndex = 0,
+        decode_priority: typing.SupportsIndex | None = None,
+        decode_duration_ms: typing.SupportsIndex = 0,
     ) -> int: ...
     def _get_num_blocks_to_allocate(
         self,
         tokens: typing.Any,
-        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
-        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        lora_task_id: typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsIndex | None = None,
         multimodal: collections.abc.Sequence[
-            tuple[
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-            ]
+            tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
         ] = [],
     ) -> dict[int, int]: ...
     def _get_reusable_prefix_length(
         self,
         tokens: typing.Any,
-        lora_task_id: typing.SupportsInt | typing.SupportsIndex | None = None,
-        cache_salt: typing.SupportsInt | typing.SupportsIndex | None = None,
+        lora_task_id: typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsIndex | None = None,
         multimodal: collections.abc.Sequence[
-            tuple[
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-                typing.SupportsInt | typing.SupportsIndex,
-            ]
+            tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
         ] = [],
     ) -> int: ...
-    def _latest_events(self, timeout_ms: typing.SupportsInt | typing.SupportsIndex = 0) -> list: ...
-    def _layer_buffer(self, layer_idx: typing.SupportsInt | typing.SupportsIndex) -> LayerBuffer:
+    def _latest_events(self, timeout_ms: typing.SupportsIndex = 0) -> list: ...
+    def _layer_buffer(self, layer_idx: typing.SupportsIndex) -> LayerBuffer:
         """
         LayerBuffer view on any backend with memory (tests).
         """
-    def _set_fake_time_ms(self, now_ms: typing.SupportsInt | typing.SupportsIndex) -> None:
+    def _set_fake_time_ms(self, now_ms: typing.SupportsIndex) -> None:
         """
         Test hook: a fixed clock for timed priorities (negative: the real clock).
         """
     def _stats_dict(self) -> dict: ...
-    def add_token(
-        self,
-        request_id: typing.SupportsInt | typing.SupportsIndex,
-        token: typing.SupportsInt | typing.SupportsIndex,
-    ) -> None:
+    def add_token(self, request_id: typing.SupportsIndex, token: typing.SupportsIndex) -> None:
         """
         Appends one generated token.
         """
@@ -175,39 +156,30 @@ class KVCacheManager:
         Verifies every internal invariant; raises KVCacheError describing the first violation.
         """
     def copy_block_offsets(
-        self,
-        out: typing.Any,
-        request_ids: typing.Any,
-        slot_offset: typing.SupportsInt | typing.SupportsIndex = 0,
+        self, out: typing.Any, request_ids: typing.Any, slot_offset: typing.SupportsIndex = 0
     ) -> int: ...
-    def get_buffers(self, layer_idx: typing.SupportsInt | typing.SupportsIndex) -> typing.Any:
+    def get_buffers(self, layer_idx: typing.SupportsIndex) -> typing.Any:
         """
         K/V memory of one layer, [primary_blocks, kv_factor, num_kv_heads, tokens_per_block, head_dim]: a numpy array on the host backend, a LayerBuffer on CUDA.
         """
     def get_cache_block_ids(
-        self,
-        request_id: typing.SupportsInt | typing.SupportsIndex,
-        window_size: typing.SupportsInt | typing.SupportsIndex | None = None,
+        self, request_id: typing.SupportsIndex, window_size: typing.SupportsIndex | None = None
     ) -> list[int]:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
         """
-    def get_num_free_blocks(
-        self, window_size: typing.SupportsInt | typing.SupportsIndex | None = None
-    ) -> int:
+    def get_num_free_blocks(self, window_size: typing.SupportsIndex | None = None) -> int:
         """
         Primary blocks that can be handed out now; without window_size the minimum over windows.
         """
-    def get_request_stats(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> dict:
+    def get_request_stats(self, request_id: typing.SupportsIndex) -> dict:
         """
         Per-request reuse counters, summed over windows.
         """
-    def has_sequence(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
-    def is_sequence_valid_for_reuse(
-        self, request_id: typing.SupportsInt | typing.SupportsIndex
-    ) -> bool: ...
-    def num_tokens(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> int: ...
-    def pin_blocks(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> None:
+    def has_sequence(self, request_id: typing.SupportsIndex) -> bool: ...
+    def is_sequence_valid_for_reuse(self, request_id: typing.SupportsIndex) -> bool: ...
+    def num_tokens(self, request_id: typing.SupportsIndex) -> int: ...
+    def pin_blocks(self, request_id: typing.SupportsIndex) -> None:
         """
         Stores the sequence's full blocks and keeps them from eviction in every window.
         """
@@ -216,31 +188,23 @@ class KVCacheManager:
         Once per engine step: expired timed priorities return to the default; pending copies complete.
         """
     def remove_sequence(
-        self,
-        request_id: typing.SupportsInt | typing.SupportsIndex,
-        *,
-        store_for_reuse: bool = True,
-        pin: bool = False,
+        self, request_id: typing.SupportsIndex, *, store_for_reuse: bool = True, pin: bool = False
     ) -> None:
         """
         Ends a sequence and releases its blocks.
         """
-    def rewind(
-        self,
-        request_id: typing.SupportsInt | typing.SupportsIndex,
-        num_tokens: typing.SupportsInt | typing.SupportsIndex,
-    ) -> None:
+    def rewind(self, request_id: typing.SupportsIndex, num_tokens: typing.SupportsIndex) -> None:
         """
         Drops the last num_tokens tokens, releasing blocks that become empty.
         """
-    def store_context_blocks(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> int:
+    def store_context_blocks(self, request_id: typing.SupportsIndex) -> int:
         """
         Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.
         """
     def unpin_blocks_by_id(
         self,
-        block_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-        window_size: typing.SupportsInt | typing.SupportsIndex | None = None,
+        block_ids: collections.abc.Sequence[typing.SupportsIndex],
+        window_size: typing.SupportsIndex | None = None,
     ) -> None:
         """
         Unpins the stored chains ending at these blocks (of window_size; default: the full-attention window, unpinning every window).

@@ -3,7 +3,8 @@
 The class subclasses the native ``_core.KVCacheManager`` so that the per-step calls
 (``add_tokens``, ``add_token``, ``num_tokens``, ...) go straight to C++ with no Python
 frame in between; this module only adds the constructors, argument conversion and the
-typed stats object.
+typed stats object. The native methods check their own arguments: request ids must be in
+``[0, 2**63)``, and an integer argument out of range raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -246,6 +247,11 @@ class KVCacheManager(_core.KVCacheManager):
     succeeds or raises with nothing changed. Thread-safe (one internal mutex; long calls
     release the GIL).
 
+    Request ids are ints in ``[0, 2**63)``; an id or other integer argument out of range raises
+    ``ValueError`` naming the argument (``has_sequence`` of a negative id is ``False``). A
+    manager is initialized once: a method called before ``__init__`` ran, or a second
+    ``__init__``, raises ``RuntimeError``.
+
     Example:
         >>> from kvcache import KVCacheManager, KvCacheConfig, ModelConfig
         >>> model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=8)
@@ -293,6 +299,7 @@ class KVCacheManager(_core.KVCacheManager):
         Raises:
             ValueError: Bad arguments, or a budget too small for one block per window.
             KVCacheError: The pools could not be allocated.
+            RuntimeError: This manager is already initialized; nothing was changed.
         """
         if primary_bytes is None:
             if config.max_gpu_total_bytes is not None:
@@ -374,7 +381,7 @@ class KVCacheManager(_core.KVCacheManager):
         ``P - window``.
 
         Args:
-            request_id: New, unique request id.
+            request_id: New, unique request id, ``0 <= request_id < 2**63``.
             tokens: Prompt token ids (sequence of ints or 1-D integer ndarray), non-empty,
                 at most ``max_seq_len`` long.
             lora_task_id: LoRA adapter id (part of every block key; ``None`` differs from 0).
@@ -392,8 +399,8 @@ class KVCacheManager(_core.KVCacheManager):
             ``len(tokens) - 1``; 0 without reuse).
 
         Raises:
-            ValueError: Duplicate id, empty or too long prompt, negative token, bad priority
-                or multimodal item.
+            ValueError: Duplicate or out-of-range id, empty or too long prompt, negative token,
+                bad priority or multimodal item, an integer argument out of range.
             OutOfBlocksError: A window lacks blocks; nothing was changed.
         """
         ranges = []
@@ -453,7 +460,11 @@ class KVCacheManager(_core.KVCacheManager):
     def get_latest_events(self, timeout_ms: int = 0) -> list[KVCacheEvent]:
         """Takes the buffered events (oldest first); waits up to ``timeout_ms`` for one.
 
-        Empty unless ``config.event_buffer_max_size > 0``.
+        Empty unless ``config.event_buffer_max_size > 0``. A timeout too long for the clock
+        (such as ``2**62``) waits until an event arrives.
+
+        Raises:
+            ValueError: ``timeout_ms`` is negative or not below ``2**63``.
         """
         out = []
         for d in self._latest_events(timeout_ms):

@@ -50,12 +50,15 @@ class EventLog {
   /// Records one removed block hash, merged into the previous event if that is a removal of
   /// the same window.
   void PushRemoved(WindowSize window, std::uint64_t hash);
-  /// Takes every buffered event; waits up to `timeout_ms` for one if the buffer is empty.
+  /// Takes every buffered event; waits up to `timeout_ms` for one if the buffer is empty (no
+  /// wait for `timeout_ms <= 0`; a timeout too long for the clock waits until an event arrives).
   std::vector<KVCacheEvent> Take(std::int64_t timeout_ms);
   std::uint64_t num_dropped() const;
 
  private:
   void PushLocked(KVCacheEvent event);
+  /// Waits on `lock` (held on mu_) until an event is buffered or `timeout_ms` > 0 has passed.
+  void WaitLocked(std::unique_lock<std::mutex>& lock, std::int64_t timeout_ms);
 
   std::size_t max_size_;
   std::deque<KVCacheEvent> events_;

@@ -1,0 +1,374 @@
+"""Bad input to the manager: uninitialized or re-initialized objects, out-of-range integers.
+
+Every case checks the exact exception type and that the message names the argument (or the
+class, for lifecycle errors).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, _core
+
+MODEL = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
+I63 = 2**63
+I31 = 2**31
+
+
+def make(**config: Any) -> KVCacheManager:
+    """Two windows (8 and full 64), 4-token blocks, host memory, one 5-token sequence (id 1)."""
+    cfg = KvCacheConfig(
+        tokens_per_block=4, max_attention_window=[8, None], backend="host", **config
+    )
+    m = KVCacheManager.from_blocks(MODEL, cfg, {8: 8, 64: 8}, max_seq_len=64, max_batch_size=4)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    return m
+
+
+def native_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Arguments of a valid ``_core.KVCacheManager``, with ``overrides``."""
+    kwargs: dict[str, Any] = {
+        "num_layers": 1,
+        "num_kv_heads": [1],
+        "head_dim": 4,
+        "dtype": "float16",
+        "kv_factor": 2,
+        "tokens_per_block": 4,
+        "max_attention_window": [],
+        "max_seq_len": 64,
+        "max_batch_size": 4,
+        "blocks_per_window": {64: (8, 0)},
+        "backend": "host",
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def offsets_table() -> np.ndarray:
+    return np.full((2, 4, 2, 16), 99, dtype=np.int32)  # [num_pools, rows, kv_factor, width]
+
+
+# --------------------------------------------------------------------------------------
+# Lifecycle: a method before __init__, a second __init__
+# --------------------------------------------------------------------------------------
+
+# Runs in a subprocess: before the fix these calls hung or crashed the interpreter.
+_UNINITIALIZED_SCRIPT = """
+import json, sys
+import numpy as np
+import kvcache
+from kvcache import _core
+cls = kvcache.KVCacheManager if sys.argv[1] == "kvcache" else _core.KVCacheManager
+m = cls.__new__(cls)
+calls = {
+    "add_token": lambda: m.add_token(1, 1),
+    "add_tokens": lambda: m.add_tokens([1], [1]),
+    "num_sequences": lambda: m.num_sequences,
+    "window_sizes": lambda: m.window_sizes,
+    "copy_block_offsets": lambda: m.copy_block_offsets(np.zeros((1, 1, 2, 1), np.int32), [1]),
+    "remove_sequence": lambda: m.remove_sequence(1),
+    "num_tokens": lambda: m.num_tokens(1),
+    "has_sequence": lambda: m.has_sequence(1),
+    "get_cache_block_ids": lambda: m.get_cache_block_ids(1),
+    "rewind": lambda: m.rewind(1, 1),
+    "store_context_blocks": lambda: m.store_context_blocks(1),
+    "pin_blocks": lambda: m.pin_blocks(1),
+    "get_num_free_blocks": lambda: m.get_num_free_blocks(),
+    "refresh_blocks": lambda: m.refresh_blocks(),
+    "check_invariants": lambda: m.check_invariants(),
+    "get_buffers": lambda: m.get_buffers(0),
+}
+if cls is _core.KVCacheManager:
+    calls["_add_sequence"] = lambda: m._add_sequence(1, [1])
+    calls["_stats_dict"] = lambda: m._stats_dict()
+    calls["_latest_events"] = lambda: m._latest_events(0)
+else:
+    calls["add_sequence"] = lambda: m.add_sequence(1, [1])
+    calls["get_kv_cache_stats"] = lambda: m.get_kv_cache_stats()
+    calls["get_latest_events"] = lambda: m.get_latest_events()
+    calls["get_reusable_prefix_length"] = lambda: m.get_reusable_prefix_length([1])
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = ["no error", ""]
+    except Exception as e:
+        out[name] = [type(e).__name__, str(e)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("which", ["kvcache", "_core"])
+def test_methods_of_an_uninitialized_manager_raise(which: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNINITIALIZED_SCRIPT, which],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"interpreter died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout)
+    assert len(results) >= 19
+    for name, (exc_type, message) in results.items():
+        assert exc_type == "RuntimeError", (name, exc_type, message)
+        assert "KVCacheManager is not initialized" in message, (name, message)
+
+
+def test_second_init_raises_and_changes_nothing() -> None:
+    m = make()
+    config = m.config
+    other = KvCacheConfig(tokens_per_block=8, backend="host")
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        m.__init__(MODEL, other, max_seq_len=64, max_batch_size=4, primary_bytes=1 << 20)  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        _core.KVCacheManager.__init__(m, **native_kwargs())
+    assert m.config is config
+    assert m.tokens_per_block == 4
+    assert m.window_sizes == [8, 64]
+    assert m.num_tokens(1) == 5
+    m.check_invariants()
+
+
+def test_second_init_of_the_native_class_raises() -> None:
+    m = _core.KVCacheManager(**native_kwargs())
+    with pytest.raises(RuntimeError, match="KVCacheManager is already initialized"):
+        m.__init__(**native_kwargs(tokens_per_block=8))  # type: ignore[misc]
+    assert m.tokens_per_block == 4
+    with pytest.raises(TypeError, match="KVCacheManager instance"):
+        _core.KVCacheManager.__init__(object(), **native_kwargs())  # type: ignore[arg-type]
+
+
+def test_init_after_a_failed_init_is_allowed() -> None:
+    m = _core.KVCacheManager.__new__(_core.KVCacheManager)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m.__init__(**native_kwargs(max_seq_len=I31))  # type: ignore[misc]
+    m.__init__(**native_kwargs())  # type: ignore[misc]
+    assert m.max_seq_len == 64
+
+
+# --------------------------------------------------------------------------------------
+# Request ids: 0 <= id < 2**63
+# --------------------------------------------------------------------------------------
+
+ID_CALLS: dict[str, tuple[str, Callable[[KVCacheManager, int], object]]] = {
+    "add_sequence": ("request_id", lambda m, i: m.add_sequence(i, [1, 2])),
+    "add_token": ("request_id", lambda m, i: m.add_token(i, 1)),
+    "add_tokens": ("request_ids", lambda m, i: m.add_tokens([1, i], [1, 1])),
+    "add_tokens_array": ("request_ids", lambda m, i: m.add_tokens(np.array([i]), np.array([1]))),
+    "remove_sequence": ("request_id", lambda m, i: m.remove_sequence(i)),
+    "rewind": ("request_id", lambda m, i: m.rewind(i, 0)),
+    "store_context_blocks": ("request_id", lambda m, i: m.store_context_blocks(i)),
+    "pin_blocks": ("request_id", lambda m, i: m.pin_blocks(i)),
+    "copy_block_offsets": ("request_ids", lambda m, i: m.copy_block_offsets(offsets_table(), [i])),
+    "get_cache_block_ids": ("request_id", lambda m, i: m.get_cache_block_ids(i, 8)),
+    "num_tokens": ("request_id", lambda m, i: m.num_tokens(i)),
+    "is_sequence_valid_for_reuse": ("request_id", lambda m, i: m.is_sequence_valid_for_reuse(i)),
+    "get_request_stats": ("request_id", lambda m, i: m.get_request_stats(i)),
+}
+
+
+ID_CASES = [
+    (call, request_id)
+    for call in sorted(ID_CALLS)
+    for request_id in (-1, -(2**63), I63, 2**64)
+    if not (call == "add_tokens_array" and request_id == 2**64)  # no numpy dtype holds 2**64
+]
+
+
+@pytest.mark.parametrize(("call", "request_id"), ID_CASES)
+def test_out_of_range_request_ids_raise_value_error(call: str, request_id: int) -> None:
+    m = make()
+    name, fn = ID_CALLS[call]
+    with pytest.raises(ValueError, match=rf"\b{name}\b.*out of range"):
+        fn(m, request_id)
+    assert m.num_sequences == 1
+    assert m.num_tokens(1) == 5
+    m.check_invariants()
+
+
+def test_has_sequence_of_a_negative_id_is_false() -> None:
+    m = make()
+    assert m.has_sequence(-1) is False
+    assert m.has_sequence(-(2**63)) is False
+    with pytest.raises(ValueError, match=r"\brequest_id\b.*out of range"):
+        m.has_sequence(I63)
+
+
+def test_largest_request_id_and_numpy_ints_are_accepted() -> None:
+    m = make()
+    m.add_sequence(I63 - 1, [1, 2])
+    m.add_token(np.int64(I63 - 1), np.int32(3))
+    m.add_tokens(np.array([I63 - 1], dtype=np.uint64), [4])
+    assert m.num_tokens(I63 - 1) == 4
+    m.remove_sequence(I63 - 1)
+    m.check_invariants()
+
+
+# --------------------------------------------------------------------------------------
+# Other integer arguments
+# --------------------------------------------------------------------------------------
+
+ARG_CALLS: list[tuple[str, Callable[[KVCacheManager], object]]] = [
+    ("token", lambda m: m.add_token(1, I63)),
+    ("token", lambda m: m.add_token(1, I31)),
+    ("token", lambda m: m.add_token(1, -1)),
+    ("tokens", lambda m: m.add_tokens([1], [I31])),
+    ("tokens", lambda m: m.add_sequence(2, [1, I63])),
+    ("priority", lambda m: m.add_sequence(2, [1], priority=2**40)),
+    ("decode_priority", lambda m: m.add_sequence(2, [1], decode_priority=2**40)),
+    ("decode_duration_ms", lambda m: m.add_sequence(2, [1], decode_duration_ms=I63)),
+    ("decode_duration_ms", lambda m: m.add_sequence(2, [1], decode_duration_ms=-1)),
+    ("lora_task_id", lambda m: m.add_sequence(2, [1], lora_task_id=I63)),
+    (
+        "priority_ranges priority",
+        lambda m: m.add_sequence(2, [1], priority_ranges=[(0, 1, I31, 0)]),
+    ),
+    (
+        "priority_ranges start",
+        lambda m: m.add_sequence(2, [1], priority_ranges=[(I31, None, 5, 0)]),
+    ),
+    ("multimodal start", lambda m: m.add_sequence(2, [1], multimodal=[(b"x", I31, 1)])),
+    ("num_tokens", lambda m: m.rewind(1, I31)),
+    ("num_tokens", lambda m: m.rewind(1, -1)),
+    ("window_size", lambda m: m.get_cache_block_ids(1, I31)),
+    ("window_size", lambda m: m.get_num_free_blocks(I31)),
+    ("window_size", lambda m: m.unpin_blocks_by_id([0], I31)),
+    ("block_ids", lambda m: m.unpin_blocks_by_id([I31])),
+    ("layer_idx", lambda m: m.get_buffers(I31)),
+    ("timeout_ms", lambda m: m.get_latest_events(timeout_ms=-1)),
+    ("timeout_ms", lambda m: m.get_latest_events(timeout_ms=I63)),
+    ("slot_offset", lambda m: m.copy_block_offsets(offsets_table(), [1], slot_offset=I63)),
+    ("slot_offset", lambda m: m.copy_block_offsets(offsets_table(), [1], slot_offset=-1)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "call"), ARG_CALLS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(ARG_CALLS)]
+)
+def test_out_of_range_arguments_raise_value_error(
+    name: str, call: Callable[[KVCacheManager], object]
+) -> None:
+    m = make()
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        call(m)
+    assert m.num_sequences == 1
+    assert m.num_tokens(1) == 5
+    m.check_invariants()
+
+
+def test_a_float_argument_raises_value_error_naming_it() -> None:
+    m = make()
+    with pytest.raises(ValueError, match=r"\btoken must be an int, got float"):
+        m.add_token(1, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\brequest_id must be an int, got bool"):
+        m.num_tokens(True)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "num_layers",
+        "head_dim",
+        "kv_factor",
+        "tokens_per_block",
+        "max_seq_len",
+        "max_batch_size",
+        "max_draft_tokens",
+        "secondary_offload_min_priority",
+    ],
+)
+@pytest.mark.parametrize("value", [-1, I31, I63])
+def test_native_constructor_checks_every_integer(name: str, value: int) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        _core.KVCacheManager(**native_kwargs(**{name: value}))
+
+
+@pytest.mark.parametrize("value", [-1, 2**64])
+def test_native_constructor_checks_the_event_buffer_size(value: int) -> None:
+    with pytest.raises(ValueError, match=r"\bevent_buffer_max_size\b"):
+        _core.KVCacheManager(**native_kwargs(event_buffer_max_size=value))
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("num_kv_heads", {"num_kv_heads": [I31]}),
+        ("max_attention_window", {"max_attention_window": [I31]}),
+        ("blocks_per_window window", {"blocks_per_window": {I31: (8, 0)}}),
+        ("blocks_per_window count", {"blocks_per_window": {64: (I31, 0)}}),
+        ("blocks_per_window count", {"blocks_per_window": {64: (8, -1)}}),
+    ],
+)
+def test_native_constructor_checks_integers_in_collections(
+    name: str, overrides: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        _core.KVCacheManager(**native_kwargs(**overrides))
+
+
+@pytest.mark.parametrize("name", ["max_seq_len", "max_batch_size"])
+def test_python_constructor_reports_out_of_range_sizes(name: str) -> None:
+    config = KvCacheConfig(tokens_per_block=4, backend="virtual")
+    sizes = {"max_seq_len": 64, "max_batch_size": 4, name: I31}
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        KVCacheManager.from_blocks(MODEL, config, {sizes["max_seq_len"]: 8}, **sizes)
+
+
+def test_python_constructor_reports_out_of_range_tokens_per_block() -> None:
+    config = KvCacheConfig(tokens_per_block=I31, backend="virtual")
+    with pytest.raises(ValueError, match=r"\btokens_per_block\b"):
+        KVCacheManager.from_blocks(MODEL, config, {64: 8}, max_seq_len=64, max_batch_size=4)
+
+
+# --------------------------------------------------------------------------------------
+# Events and block offsets
+# --------------------------------------------------------------------------------------
+
+
+def test_get_latest_events_with_a_huge_timeout_waits_for_an_event() -> None:
+    m = make(event_buffer_max_size=64)
+    m.get_latest_events()  # drop "created"
+    got: list[str] = []
+
+    def consume() -> None:
+        got.extend(e.kind for e in m.get_latest_events(timeout_ms=2**62))
+
+    def produce() -> None:
+        time.sleep(0.05)
+        m.add_sequence(2, list(range(100, 109)))
+        m.store_context_blocks(2)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    producer = threading.Thread(target=produce)
+    start = time.monotonic()
+    consumer.start()
+    producer.start()
+    consumer.join(timeout=30)
+    producer.join()
+    if consumer.is_alive():  # never returned: release it before failing
+        m.remove_sequence(2)
+        consumer.join(timeout=30)
+        pytest.fail("get_latest_events(timeout_ms=2**62) did not return after an event")
+    assert time.monotonic() - start >= 0.04, "returned before the event was pushed"
+    assert "stored" in got
+
+
+def test_copy_block_offsets_rejects_a_slot_offset_that_overflows() -> None:
+    m = make()
+    out = offsets_table()
+    with pytest.raises(ValueError, match=r"\bslot_offset\b"):
+        m.copy_block_offsets(out, [1], slot_offset=I63 - 1)
+    with pytest.raises(ValueError, match=r"\bslot_offset\b"):
+        m.copy_block_offsets(out, [1, 1], slot_offset=3)
+    assert (out == 99).all()
+    assert m.copy_block_offsets(out, [1], slot_offset=3) == 2
