@@ -863,17 +863,17 @@ void KVCacheManager::CheckOwnership() const {
                                                    " releasers but ", expected[b].size(), " current release records"));
     }
   }
-  // 2. A cached block that a sequence holds, or still owns through a current release record, is
-  //    the tree node of that sequence's own prefix at that position: same depth, same key, same
-  //    chained hash. (A block cached under another prefix would serve that prefix stale KV.)
+  // 2. A cached block that a sequence holds, or still owns through a current release record,
+  //    sits at the tree node of that sequence's own prefix at that position: same depth, a key
+  //    that is a prefix of the block's tokens (a partial node keys only the first ones) and the
+  //    same chained hash. (A block cached under another prefix would serve that prefix stale KV.)
   for (const auto& [id, seq] : sequences_) {
-    const std::int32_t full_blocks = seq.num_tokens / tpb_;
-    std::vector<std::uint64_t> chain(static_cast<std::size_t>(full_blocks));
-    std::uint64_t hash = 0;
-    for (std::int32_t d = 0; d < full_blocks; ++d) {
-      hash = ChainHash(hash, seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_, tpb_,
-                       BlockExtrasDigest(seq.extras, d, d * tpb_, tpb_));
-      chain[static_cast<std::size_t>(d)] = hash;
+    const std::int32_t num_blocks = CeilDiv(seq.num_tokens, tpb_);
+    std::vector<std::uint64_t> chain(static_cast<std::size_t>(num_blocks) + 1, 0);  // chain[j]: before block j
+    for (std::int32_t d = 0; d < seq.num_tokens / tpb_; ++d) {  // full blocks: every block but maybe the last
+      chain[static_cast<std::size_t>(d) + 1] =
+          ChainHash(chain[static_cast<std::size_t>(d)], seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_,
+                    tpb_, BlockExtrasDigest(seq.extras, d, d * tpb_, tpb_));
     }
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       const WindowBlockManager& wm = *windows_[w];
@@ -881,14 +881,16 @@ void KVCacheManager::CheckOwnership() const {
       auto check = [&](BlockId b, std::int32_t j) {
         const NodeId node = wm.NodeOf(b);
         if (node == kNoNode) return;
-        const bool same = j < full_blocks && tree_->Depth(node) == j + 1 && tree_->NumTokens(node) == tpb_ &&
-                          std::equal(seq.tokens.begin() + static_cast<std::ptrdiff_t>(j) * tpb_,
-                                     seq.tokens.begin() + static_cast<std::ptrdiff_t>(j + 1) * tpb_,
-                                     tree_->Tokens(node)) &&
-                          tree_->Hash(node) == chain[static_cast<std::size_t>(j)];
+        const std::int32_t start = j * tpb_;
+        const std::int32_t len = tree_->NumTokens(node);
+        const TokenId* own = seq.tokens.data() + start;
+        const bool same = tree_->Depth(node) == j + 1 && len >= 1 && start + len <= seq.num_tokens &&
+                          std::equal(own, own + len, tree_->Tokens(node)) &&
+                          tree_->Hash(node) == ChainHash(chain[static_cast<std::size_t>(j)], own, len,
+                                                         BlockExtrasDigest(seq.extras, j, start, len));
         KVC_CHECK(same, detail::Concat("request ", id, ", window ", window_sizes_[w], ": block ", b, " at position ", j,
                                        " is cached under a different prefix (tree node ", node, ", depth ",
-                                       tree_->Depth(node), ")"));
+                                       tree_->Depth(node), ", ", len, " tokens)"));
       };
       for (std::int32_t j = 0; j < sw.front_null; ++j) {
         const auto [b, generation] = sw.released[static_cast<std::size_t>(j)];

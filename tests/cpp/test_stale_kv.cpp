@@ -6,8 +6,9 @@
 // request can attend:
 //   - right after AddSequence, every position below the returned reused length that a window
 //     holds (reused full blocks and the copied or taken-over positions of a partial block);
-//   - after the prefill and after every decode step (when the KV of the newest token has been
-//     written), positions [max(0, n - W), n) of every window W (everything for full attention).
+//   - after the prefill, after every chunk of a chunked prefill (Prefill) and after every decode
+//     step (when the KV of the newest token has been written), every position the new queries
+//     attend in every window W (everything for full attention).
 // Besides stale reads it reports: attended positions without a block, a failed call (out of
 // blocks, refused rewind) that changed the manager's state, and, under
 // SwaReusePolicy::kInvalidate, a request that is still valid for reuse after another request
@@ -15,7 +16,8 @@
 //
 // A. Deterministic regressions: the known stale-KV causes, then API edge cases.
 // B. A seeded randomized engine run over many configurations (windows, tokens per block, partial
-//    reuse and copy, pool sizes, offload, speculative drafts, sliding-window reuse policy).
+//    reuse and copy, pool sizes, offload, speculative drafts, sliding-window reuse policy, chunked
+//    prefill, pins dropped exactly as returned: nothing stays referenced at the end).
 //
 // Knobs (environment variables):
 //   KVCACHE_CONTENT_OPS=N   long mode: the randomized configurations together run at least N
@@ -84,6 +86,7 @@ struct Request {
   std::vector<std::uint64_t> tags;  // tags[i]: tag of tokens[0..i] (and the extras)
   ReuseExtras extras;
   std::int32_t prompt_len = 0;
+  std::int32_t filled = 0;   // positions [0, filled) have blocks (< size() during chunked prefill)
   std::int32_t written = 0;  // positions [0, written) hold this request's KV
   std::vector<std::vector<BlockId>> blocks;  // per window index, as of the last call on it
   // (window index, block) it released out of window that still hold its KV, as far as the
@@ -91,6 +94,7 @@ struct Request {
   std::set<std::pair<std::size_t, BlockId>> released;
 
   std::int32_t size() const { return static_cast<std::int32_t>(tokens.size()); }
+  bool InPrefill() const { return filled < size(); }
   void Append(TokenId t) {
     tags.push_back(Mix64(tags.empty() ? ExtrasTag(extras) : tags.back(), static_cast<std::uint64_t>(t)));
     tokens.push_back(t);
@@ -98,6 +102,7 @@ struct Request {
   void Truncate(std::int32_t len) {
     tokens.resize(static_cast<std::size_t>(len));
     tags.resize(static_cast<std::size_t>(len));
+    filled = std::min(filled, len);
     written = std::min(written, len);
   }
 };
@@ -168,15 +173,21 @@ class FakeEngine {
     return os.str();
   }
 
-  /// AddSequence, then the checks of the reused positions, the prefill and its window check.
-  std::int32_t Add(SeqId id, const std::vector<TokenId>& prompt, const SequenceOptions& options = {}) {
+  /// AddSequence (with `prefill`: its first chunk only), then the checks of the reused positions,
+  /// the prefill of the tokens that have blocks and its window check.
+  std::int32_t Add(SeqId id, const std::vector<TokenId>& prompt, const SequenceOptions& options = {},
+                   std::optional<std::int32_t> prefill = std::nullopt) {
     const std::int32_t reused =
-        Guarded("AddSequence", [&] { return m_.AddSequence(id, prompt.data(), prompt.size(), options); });
+        Guarded("AddSequence", [&] { return m_.AddSequence(id, prompt.data(), prompt.size(), options, prefill); });
     Request& r = live_[id];
     r.extras = options.extras;
     for (const TokenId t : prompt) r.Append(t);
     r.prompt_len = r.size();
+    r.filled = m_.NumTokens(id);
     r.written = reused;
+    if (r.filled != (prefill ? std::min(r.size(), reused + *prefill) : r.size())) {
+      Report(Anomaly{"wrong first chunk", context_, "AddSequence", id});
+    }
     Observe(id);
     if (reused < 0 || reused >= r.size()) Report(Anomaly{"bad reused length", context_, "AddSequence", id});
     CheckReused(id, reused);
@@ -185,11 +196,26 @@ class FakeEngine {
     return reused;
   }
 
+  /// The next chunk of a prompt: Prefill, then its KV, then what its queries attend.
+  void PrefillChunk(SeqId id, std::int32_t num_tokens) {
+    Guarded("Prefill", [&] { m_.Prefill(id, num_tokens); });
+    Request& r = live_.at(id);
+    const std::int32_t anchor = r.filled;
+    r.filled += num_tokens;
+    if (m_.NumTokens(id) != r.filled) Report(Anomaly{"wrong chunk end", context_, "Prefill", id});
+    Observe(id);
+    WritePending({id});
+    // The chunk's first query sits at position `anchor` and attends [anchor + 1 - W, anchor]:
+    // the window of a sequence of anchor + 1 tokens.
+    CheckWindows(id, anchor + 1, "chunk");
+  }
+
   /// One decode step of a batch: AddTokens, then the KV of each new token, then the checks.
   void Step(const std::vector<SeqId>& ids, const std::vector<TokenId>& tokens) {
     Guarded("AddTokens", [&] { m_.AddTokens(ids.data(), tokens.data(), ids.size()); });
     for (std::size_t i = 0; i < ids.size(); ++i) {
       live_.at(ids[i]).Append(tokens[i]);
+      ++live_.at(ids[i]).filled;
       Observe(ids[i]);
     }
     // All writes first: a write that lands in another batch member's block must show.
@@ -209,13 +235,14 @@ class FakeEngine {
     return Guarded("StoreContextBlocks", [&] { return m_.StoreContextBlocks(id); });
   }
 
-  void Pin(SeqId id) {
-    Guarded("PinBlocks", [&] { m_.PinBlocks(id); });
+  std::map<WindowSize, std::vector<BlockId>> Pin(SeqId id) {
+    return Guarded("PinBlocks", [&] { return m_.PinBlocks(id); });
   }
 
-  void Remove(SeqId id, bool store_for_reuse, bool pin = false) {
-    Guarded("RemoveSequence", [&] { m_.RemoveSequence(id, store_for_reuse, pin); });
+  std::map<WindowSize, std::vector<BlockId>> Remove(SeqId id, bool store_for_reuse, bool pin = false) {
+    auto pinned = Guarded("RemoveSequence", [&] { return m_.RemoveSequence(id, store_for_reuse, pin); });
     live_.erase(id);
+    return pinned;
   }
 
   /// Block list of `id` per window index.
@@ -321,7 +348,7 @@ class FakeEngine {
     for (const SeqId id : ids) {
       Request& r = live_.at(id);
       const auto blocks = Blocks(id);
-      for (std::int32_t p = r.written; p < r.size(); ++p) {
+      for (std::int32_t p = r.written; p < r.filled; ++p) {
         for (std::size_t w = 0; w < blocks.size(); ++w) {
           const BlockId b = blocks[w][static_cast<std::size_t>(p / tpb)];
           if (!ValidBlock(w, b)) {
@@ -335,7 +362,7 @@ class FakeEngine {
           }
         }
       }
-      r.written = r.size();
+      r.written = std::max(r.written, r.filled);
     }
   }
 
@@ -375,11 +402,12 @@ class FakeEngine {
     }
   }
 
-  // What the queries from position `anchor` on attend: [max(0, anchor - W), size) per window W.
+  // What a query at position anchor - 1 and every later computed position attend: [max(0, anchor - W), filled)
+  // per window W (a decode step passes the new length; a chunk its first position + 1).
   void CheckWindows(SeqId id, std::int32_t anchor, const char* phase) {
     const std::int32_t tpb = m_.tokens_per_block();
     const auto blocks = Blocks(id);
-    const std::int32_t n = live_.at(id).size();
+    const std::int32_t n = live_.at(id).filled;
     for (std::size_t w = 0; w < blocks.size(); ++w) {
       const std::int32_t from = std::max(0, anchor - m_.window_sizes()[w]);
       for (std::int32_t p = from; p < n; ++p) {
@@ -734,6 +762,8 @@ struct RunStats {
   std::int64_t rewinds_refused = 0;
   std::int64_t pins = 0;
   std::int64_t unpin_all = 0;
+  std::int64_t chunked = 0;  // requests added with a first chunk only
+  std::int64_t chunks = 0;   // later Prefill chunks
   std::string fatal;  // an unexpected exception ended the run
 };
 
@@ -794,9 +824,7 @@ class ContentRun {
   std::string Describe() const { return engine_.Describe(); }
 
  private:
-  struct PinRecord {
-    BlockId block;  // block of the largest window at the last pinned position
-  };
+  using PinRecord = std::map<WindowSize, std::vector<BlockId>>;  // what a pin call returned
   struct HistoryEntry {
     std::vector<TokenId> tokens;
     ReuseExtras extras;
@@ -862,9 +890,19 @@ class ContentRun {
     return it->first;
   }
 
+  // A live request whose prompt is complete (decode, drafts), or -1.
+  SeqId PickDecoding() {
+    std::vector<SeqId> ids;
+    for (const auto& [id, r] : engine_.live()) {
+      if (!r.InPrefill()) ids.push_back(id);
+    }
+    return ids.empty() ? -1 : ids[Rand(ids.size())];
+  }
+
   void Operation() {
     const std::uint64_t dice = Rand(100);
     if (engine_.live().empty() || dice < 18) return Add();
+    if (dice < 30) return PrefillSome();
     if (dice < 52) return Decode();
     if (dice < 60) return config_.max_draft > 0 ? Draft() : Decode();
     if (dice < 66) return RewindSome();
@@ -915,7 +953,11 @@ class ContentRun {
     const SeqId id = next_id_++;
     KVCacheManager& m = engine_.manager();
     const std::int32_t predicted = m.GetReusablePrefixLength(prompt.data(), prompt.size(), options.extras);
-    const std::int32_t reused = engine_.Add(id, prompt, options);
+    // Chunked prefill often: the first chunk is as small as one token or spans a few blocks.
+    std::optional<std::int32_t> prefill;
+    if (Chance(40)) prefill = static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(3 * config_.tpb)));
+    if (prefill) ++stats_.chunked;
+    const std::int32_t reused = engine_.Add(id, prompt, options, prefill);
     EXPECT_EQ(reused, predicted) << Context(stats_.operations) << ": GetReusablePrefixLength disagrees";
     ++stats_.adds;
     stats_.hits += reused > 0 ? 1 : 0;
@@ -923,12 +965,27 @@ class ContentRun {
     stats_.reused_tokens += reused;
   }
 
+  // The next chunk of a request in chunked prefill (decode when there is none).
+  void PrefillSome() {
+    std::vector<SeqId> ids;
+    for (const auto& [id, r] : engine_.live()) {
+      if (r.InPrefill()) ids.push_back(id);
+    }
+    if (ids.empty()) return Decode();
+    const SeqId id = ids[Rand(ids.size())];
+    const Request& r = engine_.request(id);
+    const std::int32_t left = r.size() - r.filled;
+    const auto chunk = static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(std::min(left, 3 * config_.tpb))));
+    engine_.PrefillChunk(id, chunk);
+    ++stats_.chunks;
+  }
+
   // One decode step for a random subset; requests that reach max_seq_len finish.
   void Decode() {
     std::vector<SeqId> ids;
     std::vector<TokenId> tokens;
     for (const auto& [id, r] : engine_.live()) {
-      if (r.size() < kMaxSeqLen && Chance(70)) {
+      if (!r.InPrefill() && r.size() < kMaxSeqLen && Chance(70)) {
         ids.push_back(id);
         tokens.push_back(NextToken(r));
       }
@@ -942,7 +999,8 @@ class ContentRun {
 
   // Speculative decoding: append up to max_draft guesses, compute them, reject some.
   void Draft() {
-    const SeqId id = PickLive();
+    const SeqId id = PickDecoding();
+    if (id < 0) return;
     const auto drafts = static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(config_.max_draft)));
     std::int32_t appended = 0;
     for (; appended < drafts && engine_.request(id).size() < kMaxSeqLen; ++appended) {
@@ -977,73 +1035,43 @@ class ContentRun {
     }
   }
 
-  void Pin() {
-    const SeqId id = PickLive();
-    const Request& r = engine_.request(id);
-    const std::int32_t full_blocks = (r.size() - 1) / config_.tpb;  // PinBlocks pins full blocks
-    const BlockId last = full_blocks > 0 ? LargestWindowBlock(id, full_blocks - 1) : N;
-    engine_.Pin(id);
-    Record(last);
-  }
+  void Pin() { Record(engine_.Pin(PickLive())); }
 
   void Remove(SeqId id, bool store_for_reuse) {
     const Request& r = engine_.request(id);
     const bool pin = store_for_reuse && Chance(10);
-    // Removal stores the key of size - 1 tokens; its last block is at position (size - 2) / tpb.
-    const BlockId last = pin && r.size() >= 2 ? LargestWindowBlock(id, (r.size() - 2) / config_.tpb) : N;
     HistoryEntry entry{r.tokens, r.extras};
     stats_.invalidated += engine_.manager().IsSequenceValidForReuse(id) ? 0 : 1;
-    engine_.Remove(id, store_for_reuse, pin);
-    if (pin) Record(last);
+    PinRecord pinned = engine_.Remove(id, store_for_reuse, pin);
+    if (pin) Record(std::move(pinned));
     history_.push_back(std::move(entry));
     if (history_.size() > 16) history_.erase(history_.begin());
   }
 
-  BlockId LargestWindowBlock(SeqId id, std::int32_t position) {
-    return engine_.manager().GetCacheBlockIds(id, engine_.manager().window_sizes().back())[static_cast<std::size_t>(position)];
-  }
-
-  void Record(BlockId last) {
+  void Record(PinRecord pinned) {
     ++stats_.pins;
-    ++pins_since_unpin_all_;
-    if (last != N) pins_.push_back(PinRecord{last});
+    pins_.push_back(std::move(pinned));
   }
 
-  // Unpins one chain by the block this run saw at its end, as an engine would (if another
-  // request's block was stored there instead, the call names a block that is not stored and is
-  // refused), or everything.
+  // Drops one pin call's pins, exactly as the call returned them: that must always work.
+  void UnpinRecord(std::size_t i) {
+    const PinRecord record = std::move(pins_[i]);
+    pins_.erase(pins_.begin() + static_cast<std::ptrdiff_t>(i));
+    try {
+      engine_.manager().UnpinBlocks(record);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << Context(stats_.operations) << ": unpinning what a pin returned failed: " << e.what();
+    }
+  }
+
   void Unpin() {
-    if (!pins_.empty() && Chance(60)) {
-      const auto i = static_cast<std::ptrdiff_t>(Rand(pins_.size()));
-      const BlockId b = pins_[static_cast<std::size_t>(i)].block;
-      pins_.erase(pins_.begin() + i);
-      try {
-        engine_.manager().UnpinBlocksById({b}, std::nullopt);
-      } catch (const std::invalid_argument&) {
-      }
-      return;
-    }
-    if (pins_since_unpin_all_ > 0) UnpinAll();
+    if (pins_.empty()) return;
+    if (Chance(80)) return UnpinRecord(Rand(pins_.size()));
+    UnpinAll();
   }
 
-  // Unpins every stored block of every window, as often as pins were taken (each pass drops at
-  // least one pin of every pinned block still in the tree).
   void UnpinAll() {
-    KVCacheManager& m = engine_.manager();
-    const auto windows = m.blocks_per_window();
-    for (std::int64_t pass = 0; pass < pins_since_unpin_all_; ++pass) {
-      for (const auto& [w, counts] : windows) {
-        for (BlockId b = 0; b < counts.primary + counts.secondary; ++b) {
-          try {
-            m.UnpinBlocksById({b}, w);
-          } catch (const std::invalid_argument&) {
-            // not a stored block
-          }
-        }
-      }
-    }
-    pins_since_unpin_all_ = 0;
-    pins_.clear();
+    while (!pins_.empty()) UnpinRecord(pins_.size() - 1);
     ++stats_.unpin_all;
   }
 
@@ -1056,8 +1084,8 @@ class ContentRun {
   // Out of blocks: preempt the newest request (a scheduler's choice), or drop the pins.
   void Preempt() {
     ++stats_.preemptions;
-    if (engine_.live().empty() || (pins_since_unpin_all_ > 0 && Chance(30))) {
-      if (pins_since_unpin_all_ > 0) UnpinAll();
+    if (engine_.live().empty() || (!pins_.empty() && Chance(30))) {
+      UnpinAll();
       return;
     }
     Remove(engine_.live().rbegin()->first, Chance(50));
@@ -1066,14 +1094,13 @@ class ContentRun {
   // The end: every request leaves and every pin we can still name goes.
   void Drain() {
     while (!engine_.live().empty()) Remove(engine_.live().begin()->first, true);
-    if (pins_since_unpin_all_ > 0) UnpinAll();
+    UnpinAll();
     KVCacheManager& m = engine_.manager();
     m.CheckInvariants();
     const KvCacheStats stats = m.GetStats();
     stats_.offloaded = stats.offloaded_blocks;
     stats_.onboarded = stats.onboarded_blocks;
-    // Not a stale read, so only reported: a pin on a block that left the tree (a cascade, or an
-    // onboard of a pinned secondary block) can no longer be unpinned and holds its block forever.
+    // Every pin was dropped exactly as taken: nothing may stay referenced.
     stats_.held_after_drain = stats.used_num_blocks;
   }
 
@@ -1084,7 +1111,6 @@ class ContentRun {
   std::vector<std::vector<TokenId>> bases_;
   std::vector<HistoryEntry> history_;
   std::vector<PinRecord> pins_;
-  std::int64_t pins_since_unpin_all_ = 0;
   SeqId next_id_ = 1;
   std::int64_t now_ms_ = 0;
   RunStats stats_;
@@ -1101,7 +1127,8 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
        << s.stale << " stale reads, " << s.anomalies << " anomalies, " << s.positions_checked
        << " positions checked, " << s.hits << "/" << s.adds << " hits (" << s.partial_hits << " partial, "
        << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
-       << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.pins << " pins, " << s.invalidated
+       << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.chunked << " chunked prompts ("
+       << s.chunks << " more chunks), " << s.pins << " pins, " << s.invalidated
        << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.held_after_drain
        << " blocks held after drain";
   std::printf("%s\n", line.str().c_str());
@@ -1119,6 +1146,8 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
   EXPECT_EQ(s.anomalies, 0) << run.Describe();
   EXPECT_GT(s.hits, 0) << "no prefix hit: the run tests nothing";
   EXPECT_GT(s.positions_checked, s.operations);
+  EXPECT_GT(s.chunks, 0) << "no chunked prefill";
+  EXPECT_EQ(s.held_after_drain, 0) << "blocks still referenced after every request ended and every pin was dropped";
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, StaleKvContentTest, ::testing::ValuesIn(ContentConfigs()),
