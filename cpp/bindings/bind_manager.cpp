@@ -40,6 +40,7 @@ constexpr char kRangeEnd[] = "priority_ranges end";
 constexpr char kRangePriority[] = "priority_ranges priority";
 constexpr char kRangeDurationMs[] = "priority_ranges duration_ms";
 constexpr char kNumTokens[] = "num_tokens";
+constexpr char kPrefill[] = "prefill";
 constexpr char kWindowSize[] = "window_size";
 constexpr char kBlockIds[] = "block_ids";
 constexpr char kSlotOffset[] = "slot_offset";
@@ -74,6 +75,8 @@ using PriorityRangeArg = std::tuple<Int<std::int32_t, kRangeStart, 0>, Int<std::
                                     Int<int, kRangePriority, kMinPriority, kMaxPriority>,
                                     Int<std::int64_t, kRangeDurationMs, 0>>;
 using NumTokens = Int<std::int32_t, kNumTokens, 0>;
+using PrefillArg = Int<std::int32_t, kPrefill, 1>;
+using ChunkTokens = Int<std::int32_t, kNumTokens, 1>;
 using WindowSizeArg = Int<WindowSize, kWindowSize, 1>;
 using BlockIdArg = Int<BlockId, kBlockIds, 0>;
 using SlotOffset = Int<std::int64_t, kSlotOffset, 0>;
@@ -590,7 +593,8 @@ void BindManager(pybind11::module_& m) {
           [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<Priority>& priority,
              const std::optional<LoraTaskId>& lora_task_id, const std::optional<CacheSalt>& cache_salt,
              const std::vector<MultimodalArg>& multimodal, const std::vector<PriorityRangeArg>& priority_ranges,
-             const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms) {
+             const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms,
+             const std::optional<PrefillArg>& prefill) {
             std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
             opts.priority = Unwrap(priority);
@@ -601,34 +605,71 @@ void BindManager(pybind11::module_& m) {
             opts.decode_priority = Unwrap(decode_priority);
             opts.decode_duration_ms = decode_duration_ms;
             pybind11::gil_scoped_release release;
-            return self.AddSequence(id, toks.data(), toks.size(), opts);
+            return self.AddSequence(id, toks.data(), toks.size(), opts, Unwrap(prefill));
           },
           pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none(),
           pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
           pybind11::arg("multimodal") = std::vector<MultimodalArg>{},
           pybind11::arg("priority_ranges") = std::vector<PriorityRangeArg>{},
-          pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0)
+          pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0,
+          pybind11::arg("prefill") = pybind11::none())
+      .def(
+          "prefill", [](M& self, RequestId id, ChunkTokens num_tokens) { self.Prefill(id, num_tokens); },
+          pybind11::arg("request_id"), pybind11::arg("num_tokens"), pybind11::call_guard<pybind11::gil_scoped_release>(),
+          "Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the "
+          "sliding-window blocks no query of the chunk can attend; all or nothing.")
+      .def(
+          "prompt_length", [](const M& self, RequestId id) { return self.PromptLength(id); },
+          pybind11::arg("request_id"), "Prompt tokens of the sequence (num_tokens counts those with blocks).")
       .def("_get_reusable_prefix_length", PromptQuery(&M::GetReusablePrefixLength), pybind11::arg("tokens"),
            pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
            pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
-      .def("_get_num_blocks_to_allocate", PromptQuery(&M::GetNumBlocksToAllocate), pybind11::arg("tokens"),
-           pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
-           pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
+      .def(
+          "_get_num_blocks_to_allocate",
+          [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
+             const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal,
+             const std::optional<PrefillArg>& prefill) {
+            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            pybind11::gil_scoped_release release;
+            return self.GetNumBlocksToAllocate(toks.data(), toks.size(), extras, Unwrap(prefill));
+          },
+          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
+          pybind11::arg("cache_salt") = pybind11::none(), pybind11::arg("multimodal") = std::vector<MultimodalArg>{},
+          pybind11::arg("prefill") = pybind11::none())
       .def(
           "store_context_blocks", [](M& self, RequestId id) { return self.StoreContextBlocks(id); },
           pybind11::arg("request_id"), pybind11::call_guard<pybind11::gil_scoped_release>(),
           "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")
       .def(
-          "pin_blocks", [](M& self, RequestId id) { self.PinBlocks(id); }, pybind11::arg("request_id"),
-          "Stores the sequence's full blocks and keeps them from eviction in every window.")
+          "pin_blocks",
+          [](M& self, RequestId id) {
+            pybind11::gil_scoped_release release;
+            return self.PinBlocks(id);
+          },
+          pybind11::arg("request_id"),
+          "Stores the sequence's full blocks and pins, in every window, the cached block of each stored "
+          "position; returns the pinned block ids per window, which unpin_blocks_by_id takes back.")
       .def(
           "unpin_blocks_by_id",
-          [](M& self, const std::vector<BlockIdArg>& block_ids, const std::optional<WindowSizeArg>& window) {
-            self.UnpinBlocksById(std::vector<BlockId>(block_ids.begin(), block_ids.end()), Unwrap(window));
+          [](M& self, const pybind11::handle& block_ids, const std::optional<WindowSizeArg>& window) {
+            if (pybind11::isinstance<pybind11::dict>(block_ids)) {
+              if (window.has_value()) ThrowInvalid("unpin_blocks_by_id: window_size goes with a list of block ids, not a dict");
+              const auto pinned = block_ids.cast<std::map<WindowSizeArg, std::vector<BlockIdArg>>>();
+              std::map<WindowSize, std::vector<BlockId>> exact;
+              for (const auto& [w, ids] : pinned) exact[w].assign(ids.begin(), ids.end());
+              pybind11::gil_scoped_release release;
+              self.UnpinBlocks(exact);
+              return;
+            }
+            const auto ids = block_ids.cast<std::vector<BlockIdArg>>();
+            pybind11::gil_scoped_release release;
+            self.UnpinBlocksById(std::vector<BlockId>(ids.begin(), ids.end()), Unwrap(window));
           },
           pybind11::arg("block_ids"), pybind11::arg("window_size") = pybind11::none(),
-          "Unpins the stored chains ending at these blocks (of window_size; default: the full-attention "
-          "window, unpinning every window).")
+          "With the dict that pin_blocks / remove_sequence(pin=True) returned: drops exactly those pins "
+          "(all or nothing). With a list: unpins the stored chains ending at these blocks (of window_size; "
+          "default: the full-attention window, unpinning every window).")
       .def("refresh_blocks", &M::RefreshBlocks, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "Once per engine step: expired timed priorities return to the default; pending copies complete.")
       .def(
@@ -681,12 +722,19 @@ void BindManager(pybind11::module_& m) {
           "Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.")
       .def(
           "remove_sequence",
-          [](M& self, RequestId id, bool store_for_reuse, bool pin) {
-            pybind11::gil_scoped_release release;
-            self.RemoveSequence(id, store_for_reuse, pin);
+          [](M& self, RequestId id, bool store_for_reuse, bool pin) -> pybind11::object {
+            std::map<WindowSize, std::vector<BlockId>> pinned;
+            {
+              pybind11::gil_scoped_release release;
+              pinned = self.RemoveSequence(id, store_for_reuse, pin);
+            }
+            if (!pin) return pybind11::none();
+            return pybind11::cast(pinned);
           },
           pybind11::arg("request_id"), pybind11::kw_only(), pybind11::arg("store_for_reuse") = true,
-          pybind11::arg("pin") = false, "Ends a sequence and releases its blocks.")
+          pybind11::arg("pin") = false,
+          "Ends a sequence and releases its blocks (stored for reuse first). With pin=True returns the "
+          "pinned block ids per window, which unpin_blocks_by_id takes back; else None.")
       .def(
           "rewind", [](M& self, RequestId id, NumTokens num_tokens) { self.Rewind(id, num_tokens); },
           pybind11::arg("request_id"), pybind11::arg("num_tokens"),

@@ -114,6 +114,7 @@ class KVCacheManager:
         ] = [],
         decode_priority: typing.SupportsIndex | None = None,
         decode_duration_ms: typing.SupportsIndex = 0,
+        prefill: typing.SupportsIndex | None = None,
     ) -> int: ...
     def _get_num_blocks_to_allocate(
         self,
@@ -123,6 +124,7 @@ class KVCacheManager:
         multimodal: collections.abc.Sequence[
             tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
         ] = [],
+        prefill: typing.SupportsIndex | None = None,
     ) -> dict[int, int]: ...
     def _get_reusable_prefix_length(
         self,
@@ -179,9 +181,17 @@ class KVCacheManager:
     def has_sequence(self, request_id: typing.SupportsIndex) -> bool: ...
     def is_sequence_valid_for_reuse(self, request_id: typing.SupportsIndex) -> bool: ...
     def num_tokens(self, request_id: typing.SupportsIndex) -> int: ...
-    def pin_blocks(self, request_id: typing.SupportsIndex) -> None:
+    def pin_blocks(self, request_id: typing.SupportsIndex) -> dict[int, list[int]]:
         """
-        Stores the sequence's full blocks and keeps them from eviction in every window.
+        Stores the sequence's full blocks and pins, in every window, the cached block of each stored position; returns the pinned block ids per window, which unpin_blocks_by_id takes back.
+        """
+    def prefill(self, request_id: typing.SupportsIndex, num_tokens: typing.SupportsIndex) -> None:
+        """
+        Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the sliding-window blocks no query of the chunk can attend; all or nothing.
+        """
+    def prompt_length(self, request_id: typing.SupportsIndex) -> int:
+        """
+        Prompt tokens of the sequence (num_tokens counts those with blocks).
         """
     def refresh_blocks(self) -> None:
         """
@@ -189,9 +199,9 @@ class KVCacheManager:
         """
     def remove_sequence(
         self, request_id: typing.SupportsIndex, *, store_for_reuse: bool = True, pin: bool = False
-    ) -> None:
+    ) -> typing.Any:
         """
-        Ends a sequence and releases its blocks.
+        Ends a sequence and releases its blocks (stored for reuse first). With pin=True returns the pinned block ids per window, which unpin_blocks_by_id takes back; else None.
         """
     def rewind(self, request_id: typing.SupportsIndex, num_tokens: typing.SupportsIndex) -> None:
         """
@@ -202,12 +212,10 @@ class KVCacheManager:
         Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.
         """
     def unpin_blocks_by_id(
-        self,
-        block_ids: collections.abc.Sequence[typing.SupportsIndex],
-        window_size: typing.SupportsIndex | None = None,
+        self, block_ids: typing.Any, window_size: typing.SupportsIndex | None = None
     ) -> None:
         """
-        Unpins the stored chains ending at these blocks (of window_size; default: the full-attention window, unpinning every window).
+        With the dict that pin_blocks / remove_sequence(pin=True) returned: drops exactly those pins (all or nothing). With a list: unpins the stored chains ending at these blocks (of window_size; default: the full-attention window, unpinning every window).
         """
     @property
     def backend(self) -> str: ...

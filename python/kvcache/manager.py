@@ -372,8 +372,14 @@ class KVCacheManager(_core.KVCacheManager):
         priority_ranges: Sequence[tuple[int, int | None, int, int | None]] | None = None,
         decode_priority: int | None = None,
         decode_duration_ms: int | None = None,
+        prefill: int | None = None,
     ) -> int:
         """Registers a sequence whose prompt is ``tokens`` and gives every window its blocks.
+
+        With ``prefill`` (chunked prefill) the whole prompt is keyed and looked up, but blocks
+        are given only for the reused prefix plus the first ``prefill`` prompt tokens; call
+        :meth:`prefill` for each later chunk. ``num_tokens`` counts the tokens with blocks and
+        ``prompt_length`` the whole prompt.
 
         With reuse on, prompt blocks found in the reuse tree are taken from the cache (onboarded
         from host memory if they were offloaded; a partially matching block is taken over or
@@ -393,6 +399,8 @@ class KVCacheManager(_core.KVCacheManager):
                 token range; a block takes the range holding its first token.
             decode_priority: Priority of the blocks of generated tokens.
             decode_duration_ms: How long the decode priority lasts (None: forever).
+            prefill: Prompt tokens after the reused prefix that get blocks now (``>= 1``;
+                ``None``: the whole prompt).
 
         Returns:
             Prompt tokens whose KV is already present in every window (never more than
@@ -419,6 +427,7 @@ class KVCacheManager(_core.KVCacheManager):
                 priority_ranges=ranges,
                 decode_priority=_optional_int("decode_priority", decode_priority),
                 decode_duration_ms=_optional_int("decode_duration_ms", decode_duration_ms) or 0,
+                prefill=_optional_int("prefill", prefill),
                 **_key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
@@ -445,15 +454,19 @@ class KVCacheManager(_core.KVCacheManager):
         lora_task_id: int | None = None,
         cache_salt: str | bytes | int | None = None,
         multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+        prefill: int | None = None,
     ) -> dict[int, int]:
         """Free primary blocks per window that :meth:`add_sequence` of this prompt takes now.
 
         Reused blocks that other sequences hold cost nothing; reused cached (free) blocks,
-        onboarded blocks, the partial block and fresh blocks cost one each.
+        onboarded blocks, the partial block and fresh blocks cost one each. With ``prefill``,
+        for the first chunk only, as ``add_sequence(..., prefill=prefill)``.
         """
         return dict(
             self._get_num_blocks_to_allocate(
-                tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal)
+                tokens,
+                prefill=_optional_int("prefill", prefill),
+                **_key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
 

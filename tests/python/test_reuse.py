@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheEvent, KVCacheManager, ModelConfig
+from kvcache import (
+    NULL_BLOCK,
+    KvCacheConfig,
+    KVCacheError,
+    KVCacheEvent,
+    KVCacheManager,
+    ModelConfig,
+)
 
 N = NULL_BLOCK
 
@@ -149,6 +156,36 @@ def test_pin_and_unpin_all_windows() -> None:
     m.unpin_blocks_by_id([last])
     assert (m.get_num_free_blocks(8), m.get_num_free_blocks(64)) == (4, 4)
     m.check_invariants()
+
+
+def test_pins_return_their_blocks_and_unpin_takes_exactly_those() -> None:
+    m = make([8, None], {8: 4, 64: 4})
+    m.add_sequence(1, list(range(9)))
+    first = m.pin_blocks(1)  # 8 key tokens: two full blocks per window
+    assert first == {8: [0, 1], 64: [0, 1]}
+    assert m.add_sequence(2, list(range(9))) == 8
+    assert m.remove_sequence(2, pin=True) == {8: [0, 1], 64: [0, 1]}  # the cached blocks
+    assert m.remove_sequence(1) is None
+    assert (m.get_num_free_blocks(8), m.get_num_free_blocks(64)) == (2, 2)
+    m.unpin_blocks_by_id(first)
+    assert (m.get_num_free_blocks(8), m.get_num_free_blocks(64)) == (2, 2)  # pinned twice
+    m.unpin_blocks_by_id({8: [0, 1], 64: [0, 1]})
+    assert (m.get_num_free_blocks(8), m.get_num_free_blocks(64)) == (4, 4)
+    with pytest.raises(ValueError, match="has 0 pins"):
+        m.unpin_blocks_by_id({8: [0], 64: [1, 1]})
+    with pytest.raises(ValueError, match="window_size goes with a list"):
+        m.unpin_blocks_by_id(first, window_size=8)
+    assert m.get_reusable_prefix_length(list(range(9))) == 8  # still cached, now evictable
+    m.check_invariants()
+
+
+def test_pin_on_removal_needs_reuse() -> None:
+    m = make(enable_block_reuse=False)
+    m.add_sequence(1, list(range(9)))
+    with pytest.raises(KVCacheError, match="needs block reuse"):
+        m.remove_sequence(1, pin=True)
+    assert m.has_sequence(1)
+    assert m.remove_sequence(1) is None
 
 
 @pytest.mark.parametrize("policy", ["invalidate", "placeholder"])

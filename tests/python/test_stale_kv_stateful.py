@@ -261,5 +261,6 @@ def test_store_after_rewind_below_the_prompt() -> None:
     machine.do_rewind(1, 3)
     machine.add(prefix=[1, 2, 3, 4, 5], tail=[1], lora=None, store=False)
     machine.m.store_context_blocks(1)
-    machine.add(prefix=[1, 2, 3, 4, 5], tail=[1], lora=None, store=False)  # reads every reused position
+    # The third request reads every reused position.
+    machine.add(prefix=[1, 2, 3, 4, 5], tail=[1], lora=None, store=False)
     machine.consistent()
