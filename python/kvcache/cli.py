@@ -1,7 +1,16 @@
 """The ``kvcache`` command line: ``models``, ``plan`` and ``simulate``.
 
-Errors print one line to stderr (``kvcache: error: ...``) and exit with status 2 for
-usage mistakes and 1 for everything else; no tracebacks.
+Errors print one line to stderr and never a traceback. Exit status: 0 success; 2 a bad
+command line or input (unknown option, bad value, unreadable or malformed file, a budget
+that holds nothing, an output path that cannot be written; nothing was written); 1 a
+failure of the run itself (out of memory, an internal error); 130 interrupted; 141 stdout
+closed early (``kvcache models | head``).
+
+Limits, each with its reason: sizes (``--memory``, ``--host-cache``) at most 1 PiB (more
+than any one device or host has; larger values are typos); ``--max-seq-len``,
+``--tokens-per-block`` and ``--max-batch-size`` at most 2**31-1 (32-bit in the core);
+``--draft-tokens`` at most 256; ``--num-conversations`` at most 10,000 (the built-in
+workload is generated in memory; replay larger workloads with ``--trace``).
 
 Example:
     $ kvcache models
@@ -12,10 +21,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
@@ -27,11 +37,20 @@ from kvcache.sizing import (
     format_size,
     max_blocks_per_sequence,
     parse_size,
+    resolve_share_policy,
+    window_sizes,
 )
 
-__all__ = ["PlanRow", "PolicyPlan", "main", "make_plan"]
+__all__ = ["MAX_SIZE_BYTES", "PlanRow", "PolicyPlan", "main", "make_plan"]
 
 _PROG = "kvcache"
+
+#: Largest ``--memory`` / ``--host-cache`` accepted (1 PiB): more than any single device
+#: or host has, so a larger value is a typo (``10000TiB``, ``1e30``).
+MAX_SIZE_BYTES = 2**50
+_INT32_MAX = 2**31 - 1
+_MAX_DRAFT_TOKENS = 256
+_MAX_CONVERSATIONS = 10_000
 
 
 class _UsageError(Exception):
@@ -70,6 +89,8 @@ class PolicyPlan:
     rows: tuple[PlanRow, ...]
     max_sequences: int
     limiting_window: int
+    source: str = ""
+    """Where the policy came from when not from the command line (an environment variable)."""
 
 
 def make_plan(
@@ -115,7 +136,8 @@ def make_plan(
             tokens_per_block=tokens_per_block, window_size_shares=policy
         )
         out.append(_policy_plan(preset, config, name, memory_bytes, max_seq_len))
-    full = KvCacheConfig(tokens_per_block=tokens_per_block)
+    # One window: the share is 1 whatever the policy; "equal" keeps the environment out.
+    full = KvCacheConfig(tokens_per_block=tokens_per_block, window_size_shares="equal")
     baseline = _policy_plan(preset, full, "all layers full attention", memory_bytes, max_seq_len)
     return {
         "model": preset,
@@ -132,10 +154,15 @@ def _policy_plan(
 ) -> PolicyPlan:
     tpb = config.tokens_per_block
     model = preset.model
-    blocks = blocks_per_window(model, config, max_seq_len, memory)
     bpt = bytes_per_token(model, config, max_seq_len)
+    try:
+        blocks = blocks_per_window(model, config, max_seq_len, memory)
+    except ValueError:
+        if len(bpt) > 1 or memory >= next(iter(bpt.values())) * tpb:
+            raise
+        blocks = {w: (0, 0) for w in bpt}  # the all-full-attention baseline holds no block
     layer_windows = config.attention_window_per_layer(model.num_layers, max_seq_len)
-    total_bytes = sum(blocks[w][0] * bpt[w] * tpb for w in blocks)
+    total_bytes = max(1, sum(blocks[w][0] * bpt[w] * tpb for w in blocks))
     rows = []
     for w, (primary, _) in blocks.items():
         per_seq = max_blocks_per_sequence(max_seq_len, w, tpb)
@@ -178,7 +205,7 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
     baseline: PolicyPlan = plan["full_attention"]
     for p in [*plan["policies"], baseline]:
         print(file=out)
-        print(f"{p.policy}:", file=out)
+        print(f"{p.policy}" + (f" (from {p.source})" if p.source else "") + ":", file=out)
         print(header, file=out)
         for r in p.rows:
             print(
@@ -187,11 +214,19 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
                 f"{r.max_sequences:>9,}",
                 file=out,
             )
-        print(
-            f"  -> at most {p.max_sequences:,} concurrent sequences of {n:,} tokens "
-            f"(limited by window {p.limiting_window:,})",
-            file=out,
-        )
+        if p.max_sequences:
+            print(
+                f"  -> at most {p.max_sequences:,} concurrent sequences of {n:,} tokens "
+                f"(limited by window {p.limiting_window:,})",
+                file=out,
+            )
+        else:
+            short = next(r for r in p.rows if r.window == p.limiting_window)
+            print(
+                f"  -> fits no sequence of {n:,} tokens: window {short.window:,} has "
+                f"{short.blocks:,} blocks, one sequence needs {short.blocks_per_sequence:,}",
+                file=out,
+            )
     print(file=out)
     smallest = plan["policies"][0].rows[0].window  # rows are in ascending window order
     print(
@@ -216,6 +251,7 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
     def policy(p: PolicyPlan) -> dict[str, Any]:
         return {
             "policy": p.policy,
+            "source": p.source or None,
             "max_sequences": p.max_sequences,
             "limiting_window": p.limiting_window,
             "windows": [vars(r) for r in p.rows],
@@ -231,19 +267,58 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _one_sequence(preset: ModelPreset, max_seq_len: int, tpb: int) -> tuple[int, str]:
+    """Bytes one sequence of ``max_seq_len`` tokens holds while decoding, and per window."""
+    config = preset.kv_cache_config(tokens_per_block=tpb, window_size_shares="equal")
+    bpt = bytes_per_token(preset.model, config, max_seq_len)
+    parts = {w: max_blocks_per_sequence(max_seq_len, w, tpb) for w in bpt}
+    need = sum(n * bpt[w] * tpb for w, n in parts.items())
+    text = ", ".join(
+        f"window {w:,}: {n:,} blocks of {format_size(bpt[w] * tpb)}" for w, n in parts.items()
+    )
+    return need, text
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     preset = load_model(args.model)
-    memory = parse_size(args.memory)
+    memory: int = args.memory
     max_seq_len = args.max_seq_len if args.max_seq_len is not None else preset.max_context
+    tpb: int = args.tokens_per_block
     policies: list[str | Sequence[float]] = list(SHARE_POLICIES)
-    if args.shares is not None:
-        custom = KvCacheConfig(window_size_shares=args.shares).window_size_shares
-        assert custom is not None
-        if custom not in policies:
-            policies.append(custom)
-    plan = make_plan(
-        preset, memory, max_seq_len, tokens_per_block=args.tokens_per_block, policies=policies
-    )
+    if args.shares is not None and args.shares not in policies:
+        policies.append(args.shares)
+    # What an engine would use with no shares configured: the environment, if set.
+    env_policy, env_source = resolve_share_policy(None)
+    env_var = env_source.removeprefix("environment variable ") if env_source != "default" else ""
+    if env_var:
+        n_windows = len(window_sizes(preset.model, preset.kv_cache_config(), max_seq_len))
+        if not isinstance(env_policy, str) and len(env_policy) != n_windows:
+            raise ValueError(
+                f"{env_var} gives {len(env_policy)} share(s) but {preset.name} has "
+                f"{n_windows} window(s) at {max_seq_len:,} tokens; give one share per window "
+                "in ascending window order"
+            )
+        if env_policy not in policies:
+            policies.append(env_policy)
+    need, per_window = _one_sequence(preset, max_seq_len, tpb)
+    if memory < need:
+        raise ValueError(
+            f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "
+            f"{preset.name}: one needs {format_size(need)} ({per_window}); give more "
+            "--memory or a shorter --max-seq-len"
+        )
+    plan = make_plan(preset, memory, max_seq_len, tokens_per_block=tpb, policies=policies)
+    if env_var:
+        plan["policies"] = [
+            dataclasses.replace(p, source=env_var) if policy == env_policy else p
+            for p, policy in zip(plan["policies"], policies, strict=True)
+        ]
+    if max(p.max_sequences for p in plan["policies"]) == 0:
+        raise ValueError(
+            f"{format_size(memory)} fits no sequence of {max_seq_len:,} tokens of "
+            f"{preset.name} under any share policy (one needs {format_size(need)} split "
+            "exactly: " + per_window + "); give more --memory or a shorter --max-seq-len"
+        )
     if args.json:
         print(json.dumps(_plan_json(plan), indent=2))
     else:
@@ -294,29 +369,67 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from kvcache.simulate import run_cli  # only this command needs the native module
+    if args.num_requests is not None:
+        raise _UsageError(
+            f"{_PROG} simulate: error: --num-requests is now --num-conversations: the "
+            "built-in workload counts conversations of 1-6 requests (one per turn)"
+        )
+    from kvcache.simulate.command import run_cli  # only this command needs the simulator
 
     return run_cli(args)
 
 
-def _positive_int(text: str) -> int:
+def _int_in(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in ``lo..hi``; ``why`` explains the upper bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}")
+        if value > hi:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {hi:,}{reason}")
+        return value
+
+    return parse
+
+
+_positive_int32 = _int_in(1, _INT32_MAX, "the core stores it as a 32-bit integer")
+
+
+def _size(text: str) -> int:
+    """An argparse type: a byte count such as ``80GiB``, at most :data:`MAX_SIZE_BYTES`."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_SIZE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {format_size(value) if value < 2**60 else f'{value:.3g} bytes'}, "
+            "more than 1 PiB, the most kvcache accepts: no single device or host has that "
+            "much memory"
+        )
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def _shares(text: str) -> str | tuple[float, ...]:
+    """An argparse type: a share policy name or comma-separated shares."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+        value = KvCacheConfig(window_size_shares=text).window_size_shares
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("window_size_shares: ")) from None
+    assert value is not None
+    return value if isinstance(value, str) else tuple(value)
+
+
+def _version() -> str:
+    from kvcache import __version__
+
+    return __version__
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -324,7 +437,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog=_PROG,
         description="KV cache manager for LLM inference: model presets, memory planning and "
         "workload simulation for variable sliding window attention (VSWA) models.",
+        epilog="Exit status: 0 success, 2 bad command line or input, 1 the run failed.",
     )
+    parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p_models = sub.add_parser("models", help="list the built-in model presets")
@@ -335,16 +450,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "plan", help="blocks, tokens and max concurrent sequences per window and share policy"
     )
     p_plan.add_argument("--model", required=True, help="preset name or preset JSON file")
-    p_plan.add_argument("--memory", required=True, help="primary KV memory, e.g. 80GiB")
+    p_plan.add_argument(
+        "--memory", required=True, type=_size, help="primary KV memory, e.g. 80GiB (<= 1 PiB)"
+    )
     p_plan.add_argument(
         "--max-seq-len",
-        type=_positive_int,
+        type=_positive_int32,
         default=None,
         help="sequence length to plan for (default: the model's max context)",
     )
-    p_plan.add_argument("--tokens-per-block", type=_positive_int, default=32)
+    p_plan.add_argument("--tokens-per-block", type=_positive_int32, default=32)
     p_plan.add_argument(
-        "--shares", default=None, help="an extra share list to compare, e.g. 0.2,0.8"
+        "--shares", type=_shares, default=None, help="an extra share list to compare, e.g. 0.2,0.8"
     )
     p_plan.add_argument("--json", action="store_true", help="print JSON")
     p_plan.set_defaults(func=_cmd_plan)
@@ -353,32 +470,52 @@ def _build_parser() -> argparse.ArgumentParser:
         "simulate", help="replay a workload through the manager and report pool use"
     )
     p_sim.add_argument("--model", default=None, help="preset name (default: gemma-3-12b)")
-    p_sim.add_argument("--memory", default=None, help="primary KV memory (default: 16GiB)")
     p_sim.add_argument(
-        "--shares", default=None, help="equal | proportional | auto | a,b,... (default: equal)"
+        "--memory", type=_size, default=None, help="primary KV memory (default: 16GiB)"
     )
-    p_sim.add_argument("--trace", default=None, help="JSON Lines trace to replay")
-    p_sim.add_argument("--max-batch-size", type=_positive_int, default=None)
-    p_sim.add_argument("--max-seq-len", type=_positive_int, default=None)
-    p_sim.add_argument("--tokens-per-block", type=_positive_int, default=None)
+    p_sim.add_argument(
+        "--shares",
+        type=_shares,
+        default=None,
+        help="equal | proportional | auto | a,b,... (default: KVCACHE_WINDOW_SIZE_SHARES, "
+        "else equal); auto(L=N) in the report means auto sized for sequences of N tokens",
+    )
+    p_sim.add_argument("--trace", default=None, metavar="FILE", help="JSON Lines trace to replay")
+    p_sim.add_argument("--max-batch-size", type=_positive_int32, default=None)
+    p_sim.add_argument(
+        "--max-seq-len",
+        type=_positive_int32,
+        default=None,
+        help="longest sequence (default: 8192 for the built-in workload, else the longest "
+        "request of the trace)",
+    )
+    p_sim.add_argument("--tokens-per-block", type=_positive_int32, default=None)
     p_sim.add_argument(
         "--scheduler",
         choices=["guaranteed_no_evict", "max_utilization"],
         default="max_utilization",
     )
     p_sim.add_argument(
-        "--num-requests",
-        type=_positive_int,
+        "--num-conversations",
+        type=_int_in(1, _MAX_CONVERSATIONS, "the built-in workload is generated in memory"),
         default=None,
-        help="conversations in the built-in workload (default 400)",
+        metavar="N",
+        help="conversations in the built-in workload, each 1-6 requests (default 400, "
+        "about 1,000 requests)",
     )
+    p_sim.add_argument("--num-requests", default=None, help=argparse.SUPPRESS)
     p_sim.add_argument(
         "--draft-tokens",
-        type=_non_negative_int,
+        type=_int_in(0, _MAX_DRAFT_TOKENS, "drafts are verified one position at a time"),
         default=0,
         help="draft tokens per generation step (speculative decoding; default 0)",
     )
-    p_sim.add_argument("--seed", type=_non_negative_int, default=0, help="workload seed")
+    p_sim.add_argument(
+        "--seed",
+        type=_int_in(0, 2**63 - 1),
+        default=None,
+        help="seeds the built-in workload and the draft acceptance (default 0)",
+    )
     p_sim.add_argument("--no-reuse", action="store_true", help="disable block reuse")
     p_sim.add_argument(
         "--swa-reuse-policy",
@@ -389,16 +526,25 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_sim.add_argument(
         "--host-cache",
+        type=_size,
         default=None,
         metavar="SIZE",
         help="host (secondary) memory for offloaded reusable blocks, e.g. 8GiB (default: none)",
     )
     p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
-    p_sim.add_argument("--plot", default=None, metavar="FILE.png", help="plot pool use")
+    p_sim.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="plot pool use (needs matplotlib)"
+    )
     p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")
     p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_sim.set_defaults(func=_cmd_simulate)
     return parser
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    first = msg.strip().splitlines()[0] if msg.strip() else ""
+    return first or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,14 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        0 on success, 1 on an error, 2 on a usage mistake.
+        0 on success, 2 for a bad command line or input, 1 when the run itself failed,
+        130 when interrupted, 141 when stdout was closed early. Errors print one line to
+        stderr, never a traceback.
     """
-    parser = _build_parser()
+    prog = _PROG  # "kvcache simulate" once the command is known, as argparse says it
     try:
+        parser = _build_parser()
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 2
+        prog = f"{_PROG} {args.command}"
         return int(args.func(args))
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0
@@ -429,15 +579,24 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return 141
-    except (ValueError, OSError, RuntimeError, KeyError) as e:
-        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        print(
-            f"{_PROG}: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr
-        )
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"{prog}: error: out of memory", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"{_PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # kvcache.KVCacheError and its subclasses
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        print(
+            f"{prog}: internal error: {type(e).__name__}: {_one_line(e)} (please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

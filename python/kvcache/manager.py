@@ -41,15 +41,26 @@ def cuda_available() -> bool:
     return bool(_core.cuda_available())
 
 
+# Most host memory the host backend counts as available when no budget is given.
+_HOST_MEMORY_LIMIT = 4 * 2**30
+
+
 def _host_available_bytes() -> int:
+    """Half of the host's available memory (``MemAvailable``), at most 4 GiB.
+
+    The host backend stands in for a GPU on machines without one (development, tests, CPU
+    inference): unlike a dedicated device, the same RAM also holds the model, the engine and
+    everything else on the machine, so it takes a modest default, not 90 % of the RAM.
+    """
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return min(int(line.split()[1]) * 1024 // 2, _HOST_MEMORY_LIMIT)
     except OSError:
         pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    free = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return min(free // 2, _HOST_MEMORY_LIMIT)
 
 
 def _resolve_backend(backend: str) -> str:
@@ -61,8 +72,10 @@ def _resolve_backend(backend: str) -> str:
 def available_memory_bytes(backend: str) -> int:
     """Free memory the primary pools of ``backend`` could use now, in bytes.
 
-    ``cuda``: free device memory (``cudaMemGetInfo``); ``host``: available host memory
-    (``MemAvailable``); ``auto``: whichever of the two ``auto`` resolves to.
+    ``cuda``: free device memory (``cudaMemGetInfo``); ``host``: half of the available host
+    memory (``MemAvailable``), at most 4 GiB, so a manager sized "from free memory" without a
+    GPU takes at most ``free_gpu_memory_fraction`` x 4 GiB (3.6 GiB by default; explicit
+    budgets are never capped); ``auto``: whichever of the two ``auto`` resolves to.
 
     Raises:
         ValueError: For the ``virtual`` backend, which has no memory to measure.

@@ -34,6 +34,7 @@ from kvcache.config import (
 )
 
 __all__ = [
+    "MAX_BLOCKS_PER_WINDOW",
     "SHARES_ENV_VAR",
     "TRTLLM_SHARES_ENV_VAR",
     "blocks_per_window",
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 SHARES_ENV_VAR = "KVCACHE_WINDOW_SIZE_SHARES"
 #: TensorRT-LLM's spelling, accepted for compatibility after :data:`SHARES_ENV_VAR`.
 TRTLLM_SHARES_ENV_VAR = "TRTLLM_WINDOW_SIZE_SHARES"
+
+#: Most blocks (primary plus secondary) one window can have: block ids are 32-bit.
+MAX_BLOCKS_PER_WINDOW = 2**31 - 1
 
 _CONFIG_SOURCE = "KvCacheConfig.window_size_shares"
 
@@ -359,9 +363,10 @@ def blocks_per_window(
         Window -> ``(primary_blocks, secondary_blocks)``, ascending window order.
 
     Raises:
-        ValueError: Bad arguments or shares (see :func:`window_size_shares`), or a window
-            whose share of ``primary_bytes`` does not hold one block; the message names the
-            window and the missing bytes.
+        ValueError: Bad arguments or shares (see :func:`window_size_shares`), a window
+            whose share of ``primary_bytes`` does not hold one block (the message names the
+            window and the missing bytes), or a window that would get more than
+            :data:`MAX_BLOCKS_PER_WINDOW` blocks.
 
     Example:
         Three windows with equal bytes per token (one layer each, 1 head of 64, float16:
@@ -416,7 +421,10 @@ def blocks_per_window(
             missing = block_bytes - window_bytes
             if shares[w] > 0:
                 need_total = math.ceil(block_bytes / shares[w])
-                hint = f"; a primary budget of at least {need_total} bytes is needed"
+                hint = (
+                    f"; a primary budget of at least {need_total} bytes "
+                    f"({format_size(need_total)}) is needed"
+                )
             else:
                 hint = "; its share is 0"
             raise ValueError(
@@ -427,6 +435,13 @@ def blocks_per_window(
             )
         if cap is not None:
             n_primary = min(n_primary, cap)
+        if n_primary + n_secondary > MAX_BLOCKS_PER_WINDOW:
+            raise ValueError(
+                f"memory budget too large: window {w} would get {n_primary + n_secondary:,} "
+                f"blocks ({n_primary:,} primary, {n_secondary:,} secondary) but block ids are "
+                f"32-bit, so a window holds at most {MAX_BLOCKS_PER_WINDOW:,}; give less "
+                "memory or more tokens per block"
+            )
         out[w] = (n_primary, n_secondary)
     return out
 

@@ -107,35 +107,40 @@ def test_plan_notes_lengths_beyond_context(capsys: pytest.CaptureFixture[str]) -
     assert "note: 16,384 tokens exceed the model's context of 8,192" in capsys.readouterr().out
 
 
+def test_plan_policy_that_fits_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gemma-3-27b", "--memory", "12GiB", "--max-seq-len", "131072"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "-> fits no sequence of 131,072 tokens: window 131,072 has 2,457 blocks" in out
+    assert "-> at most 0 concurrent" not in out
+
+
 @pytest.mark.parametrize(
-    ("argv", "status", "message"),
+    ("argv", "message"),
     [
-        (["plan", "--model", "nope", "--memory", "1GiB"], 1, "unknown model 'nope'; known models:"),
-        (["plan", "--model", "gemma-3-1b", "--memory", "80XB"], 1, "invalid size '80XB'"),
-        (["plan", "--model", "gemma-3-1b", "--memory", "1KiB"], 1, "memory budget too small"),
+        (["plan", "--model", "nope", "--memory", "1GiB"], "unknown model 'nope'; known models:"),
+        (["plan", "--model", "gemma-3-1b", "--memory", "80XB"], "invalid size '80XB'"),
+        (["plan", "--model", "gemma-3-1b", "--memory", "1KiB"], "cannot hold one sequence"),
         (
             ["plan", "--model", "gemma-3-1b", "--memory", "1GiB", "--shares", "1,-1"],
-            1,
-            "window_size_shares: entry 1 is negative",
+            "entry 1 is negative",
         ),
         (
             ["plan", "--model", "gemma-3-1b", "--memory", "1GiB", "--shares", "1,1,1"],
-            1,
             "gives 3 share(s) but the model has 2 window(s)",
         ),
-        (["plan", "--memory", "1GiB"], 2, "the following arguments are required: --model"),
+        (["plan", "--memory", "1GiB"], "the following arguments are required: --model"),
         (
             ["plan", "--model", "gemma-3-1b", "--memory", "1GiB", "--max-seq-len", "0"],
-            2,
             "expected a positive integer",
         ),
-        (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
 def test_errors_are_one_line(
-    capsys: pytest.CaptureFixture[str], argv: list[str], status: int, message: str
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    assert main(argv) == status
+    assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
@@ -156,6 +161,26 @@ def test_help_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--max-seq-len" in capsys.readouterr().out
 
 
+def test_unexpected_failure_is_one_line_with_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvcache.cli as cli
+
+    def boom(args: object) -> int:
+        raise TypeError("something broke\nsecond line")
+
+    monkeypatch.setattr(cli, "_cmd_models", boom)
+    assert main(["models"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "kvcache models: internal error: TypeError: something broke (please report it)"
+    ]
+
+
+# ------------------------------------------------------------------- the installed command
+# Every test below runs the installed ``kvcache`` in a subprocess, as a user would.
+
+
 def _console_script() -> list[str]:
     exe = shutil.which("kvcache")
     if exe is not None:
@@ -163,7 +188,7 @@ def _console_script() -> list[str]:
     return [sys.executable, "-m", "kvcache.cli"]
 
 
-def test_console_script_subprocess() -> None:
+def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(SHARES_ENV_VAR, None)
     env.pop(TRTLLM_SHARES_ENV_VAR, None)
@@ -171,19 +196,328 @@ def test_console_script_subprocess() -> None:
     import kvcache
 
     package_root = str(Path(kvcache.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    ok = subprocess.run(
-        [*_console_script(), "models"], capture_output=True, text=True, env=env, timeout=60
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [extra.pop("PYTHONPATH", None), package_root, env.get("PYTHONPATH")])
     )
-    assert ok.returncode == 0, ok.stderr
-    assert "gemma-3-27b" in ok.stdout
-    bad = subprocess.run(
-        [*_console_script(), "plan", "--model", "x", "--memory", "1GiB"],
+    env.update(extra)
+    return env
+
+
+def kvcache_run(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``kvcache ARGS`` and returns the finished process (text output)."""
+    return subprocess.run(
+        [*_console_script(), *args],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=60,
+        env=env or _env(),
+        cwd=cwd,
+        timeout=120,
     )
-    assert bad.returncode == 1
-    assert bad.stderr.count("\n") == 1
-    assert bad.stderr.startswith("kvcache: error: unknown model 'x'")
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """Status 2, nothing on stdout, one line on stderr holding every fragment."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvcache") and "error: " in lines[0], lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert proc.stdout == ""
+    return lines[0]
+
+
+TINY = ["--model", "gemma-3-1b", "--memory", "512MiB", "--num-conversations", "2"]
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"request_id": 1, "arrival": 0, "prompt": [1, 2, 3], "output": [4, 5]}\n')
+    return path
+
+
+def _trace_line(tmp_path: Path, **fields: object) -> Path:
+    obj: dict[str, object] = {"request_id": 1, "arrival": 0, "prompt": [1, 2], "output": [3]}
+    obj.update(fields)
+    path = tmp_path / "bad.jsonl"
+    good = '{"request_id": 0, "arrival": 0, "prompt": [1], "output": [2]}'
+    path.write_text(good + "\n" + json.dumps(obj) + "\n")
+    return path
+
+
+def test_console_script_subprocess() -> None:
+    ok = kvcache_run("models")
+    assert ok.returncode == 0, ok.stderr
+    assert "gemma-3-27b" in ok.stdout
+    assert_usage_error(kvcache_run("plan", "--model", "x", "--memory", "1GiB"), "unknown model 'x'")
+
+
+def test_version() -> None:
+    import importlib.metadata
+
+    import kvcache
+
+    proc = kvcache_run("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"kvcache {kvcache.__version__}\n"
+    try:
+        assert importlib.metadata.version("kvcache") == kvcache.__version__
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
+        pass
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--memory", "10000TiB"], ["'10000TiB' is 10000 TiB, more than 1 PiB", "no single"]),
+        (["--memory", "1e30"], ["'1e30' is 1e+30 bytes, more than 1 PiB"]),
+        (["--host-cache", "2048TiB"], ["argument --host-cache", "more than 1 PiB"]),
+        (["--memory", "1000TiB"], ["87,381,333 blocks", "70 bytes of bookkeeping per block"]),
+        (["--memory", "lots"], ["invalid size 'lots'"]),
+    ],
+)
+def test_simulate_sizes_are_bounded(trace: Path, args: list[str], fragments: list[str]) -> None:
+    assert_usage_error(kvcache_run("simulate", "--trace", str(trace), *args), *fragments)
+
+
+@pytest.mark.parametrize(
+    ("memory", "fragments"),
+    [
+        ("1e30", ["more than 1 PiB", "no single device or host"]),
+        ("1000TiB", ["memory budget too large", "block ids are 32-bit"]),
+    ],
+)
+def test_plan_sizes_are_bounded(memory: str, fragments: list[str]) -> None:
+    proc = kvcache_run("plan", "--model", "gemma-3-1b", "--memory", memory)
+    assert_usage_error(proc, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"request_id": 2**63}, ":2: 'request_id' must be in 0..2**63-1, got 9223372036854775808"),
+        ({"request_id": -1}, ":2: 'request_id' must be in 0..2**63-1, got -1"),
+        ({"prompt": [1, 2**31]}, ":2: 'prompt' holds 2147483648 at index 1; token ids are ints"),
+        ({"output": [2**31]}, ":2: 'output' holds 2147483648 at index 0"),
+        ({"lora_task_id": 2**63}, ":2: 'lora_task_id' must be a 64-bit signed int"),
+        ({"arrival": 2**64}, ":2: 'arrival' must be an int in 0..2**63-1"),
+    ],
+)
+def test_trace_values_out_of_range(
+    tmp_path: Path, fields: dict[str, object], fragment: str
+) -> None:
+    path = _trace_line(tmp_path, **fields)
+    assert_usage_error(kvcache_run("simulate", "--trace", str(path)), str(path) + fragment)
+
+
+def test_share_env_var_in_plan() -> None:
+    argv = ["plan", "--model", "gemma-3-27b", "--memory", "80GiB", "--max-seq-len", "32768"]
+    proc = kvcache_run(*argv, env=_env(KVCACHE_WINDOW_SIZE_SHARES="0.2,0.8"))
+    assert proc.returncode == 0, proc.stderr
+    assert "0.2,0.8 (from KVCACHE_WINDOW_SIZE_SHARES):" in proc.stdout.splitlines()
+    assert "all layers full attention:" in proc.stdout.splitlines()  # not given the variable
+    summary = proc.stdout[proc.stdout.index("summary") :].splitlines()
+    assert summary[4].split() == ["0.2,0.8", "25", "vs", "all-full-attention:", "5.00x"]
+    proc = kvcache_run(*argv, "--json", env=_env(TRTLLM_WINDOW_SIZE_SHARES="auto"))
+    data = json.loads(proc.stdout)
+    assert [(p["policy"], p["source"]) for p in data["policies"]] == [
+        ("equal", None),
+        ("proportional", None),
+        ("auto", "TRTLLM_WINDOW_SIZE_SHARES"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "fragments"),
+    [
+        (SHARES_ENV_VAR, "garbage", ["environment variable KVCACHE_WINDOW_SIZE_SHARES", "garbage"]),
+        (SHARES_ENV_VAR, "1,nan", ["KVCACHE_WINDOW_SIZE_SHARES: entry 1 is nan"]),
+        (
+            TRTLLM_SHARES_ENV_VAR,
+            "1,2,3",
+            ["TRTLLM_WINDOW_SIZE_SHARES gives 3 share(s)", "2 window"],
+        ),
+    ],
+)
+def test_bad_share_env_var(var: str, value: str, fragments: list[str]) -> None:
+    env = _env(**{var: value})
+    argv = ["--model", "gemma-3-27b", "--memory", "80GiB", "--max-seq-len", "32768"]
+    assert_usage_error(kvcache_run("plan", *argv, env=env), *fragments)
+    if value != "1,2,3":  # simulate checks the variable before it runs anything
+        assert_usage_error(kvcache_run("simulate", *TINY, env=env), *fragments)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (
+            ["--max-seq-len", "99999999999999999999"],
+            ["argument --max-seq-len", "is more than 2,147,483,647", "32-bit"],
+        ),
+        (
+            ["--max-seq-len", "5000000"],
+            ["80.0 GiB cannot hold one sequence of 5,000,000 tokens", "one needs 382 GiB"],
+        ),
+        (["--tokens-per-block", "2147483648"], ["argument --tokens-per-block", "32-bit"]),
+    ],
+)
+def test_plan_lengths_are_bounded(args: list[str], fragments: list[str]) -> None:
+    proc = kvcache_run("plan", "--model", "gemma-3-27b", "--memory", "80GiB", *args)
+    assert_usage_error(proc, *fragments)
+
+
+def test_simulate_that_rejects_everything_fails_like_plan(trace: Path) -> None:
+    proc = kvcache_run("simulate", *TINY[:2], "--memory", "2MiB", "--num-conversations", "2")
+    assert_usage_error(proc, "all 4 requests were rejected: none can ever fit in 2.00 MiB")
+    assert_usage_error(
+        kvcache_run("simulate", "--memory", "1MiB", "--num-conversations", "2"),
+        "memory budget too small",
+    )
+    proc = kvcache_run("simulate", "--trace", str(trace), "--max-seq-len", "2")
+    assert_usage_error(proc, "every one is longer than max_seq_len 2")
+
+
+def test_model_file_errors(tmp_path: Path) -> None:
+    proc = kvcache_run("plan", "--model", "nope.json", "--memory", "1GiB", cwd=tmp_path)
+    assert_usage_error(proc, "model file 'nope.json' does not exist")
+    assert "unknown model" not in proc.stderr
+    (tmp_path / "m.json").write_text('{"name": "m", "model": {"num_layers": 2}}')
+    proc = kvcache_run("plan", "--model", "m.json", "--memory", "1GiB", cwd=tmp_path)
+    assert_usage_error(proc, "m.json: missing keys 'max_context'; a preset needs 'name'")
+    (tmp_path / "m.json").write_text('{"name": "m", "model": {"num_layers": 2}, "max_context": 8}')
+    proc = kvcache_run("plan", "--model", "m.json", "--memory", "1GiB", cwd=tmp_path)
+    assert_usage_error(proc, "m.json: 'model' is missing 'num_kv_heads', 'head_dim'")
+
+
+def test_output_paths_are_checked_before_the_run(tmp_path: Path) -> None:
+    # The default workload takes seconds; a checked path fails at once, writing nothing.
+    proc = kvcache_run("simulate", "--json", str(tmp_path / "no" / "r.json"))
+    assert_usage_error(proc, "--json", "directory", "does not exist")
+    assert_usage_error(kvcache_run("simulate", "--json", str(tmp_path)), "is a directory")
+    proc = kvcache_run("simulate", "--plot", str(tmp_path / "r.xyz"))
+    assert_usage_error(proc, "matplotlib does not write .xyz files")
+    same = str(tmp_path / "r.out")
+    assert_usage_error(kvcache_run("simulate", "--json", same, "--plot", same), "the same file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib(tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')\n")
+    out = tmp_path / "r.png"
+    proc = kvcache_run("simulate", "--plot", str(out), env=_env(PYTHONPATH=str(fake)))
+    assert_usage_error(proc, "--plot needs matplotlib", "kvcache[plot]")
+    assert not out.exists()
+
+
+def test_outputs_report_where_they_went(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = kvcache_run("simulate", *TINY, "--json", str(out_json), "--plot", str(out_png))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == [
+        f"wrote the JSON report to {out_json}",
+        f"wrote the plot to {out_png}",
+    ]
+    single = json.loads(out_json.read_text())
+    proc = kvcache_run("simulate", *TINY, "--compare-shares", "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    compared = json.loads(out_json.read_text())
+    # Always the same top-level shape: one run or several.
+    assert set(single) == set(compared) == {"version", "workload", "runs"}
+    assert len(single["runs"]) == 1 and len(compared["runs"]) == 3
+    assert single["workload"] == compared["workload"]
+    assert single["workload"]["source"] == "built-in"
+    assert single["workload"]["conversations"] == 2
+    assert single["workload"]["requests"] == single["runs"][0]["requests"]
+    assert [r["shares"][:4] for r in compared["runs"]] == ["equa", "prop", "auto"]
+
+
+def test_num_requests_is_named_for_what_it_counts(trace: Path) -> None:
+    proc = kvcache_run("simulate", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    workload = proc.stdout.splitlines()[1]
+    assert workload.startswith("  workload: built-in multi-turn chat, 2 conversations (seed 0): ")
+    requests = int(workload.split(": ")[2].split()[0])
+    assert f"  requests            {requests:,} ({requests:,} completed)" in proc.stdout
+    assert_usage_error(
+        kvcache_run("simulate", "--num-requests", "200"),
+        "--num-requests is now --num-conversations",
+    )
+    assert_usage_error(
+        kvcache_run("simulate", "--num-conversations", "0"), "expected a positive integer"
+    )
+    assert_usage_error(
+        kvcache_run("simulate", "--num-conversations", "10001"), "generated in memory"
+    )
+
+
+def test_workload_options_with_a_trace(trace: Path) -> None:
+    proc = kvcache_run("simulate", "--trace", str(trace), "--num-conversations", "5")
+    assert_usage_error(proc, "--num-conversations sizes the built-in workload", "--trace")
+    proc = kvcache_run("simulate", "--trace", str(trace), "--seed", "3")
+    assert_usage_error(proc, "--seed seeds the built-in workload", "would change nothing")
+    ok = kvcache_run("simulate", "--trace", str(trace), "--seed", "3", "--draft-tokens", "2")
+    assert ok.returncode == 0, ok.stderr  # with drafts the seed matters
+    assert f"  workload: trace {trace}, 1 requests" in ok.stdout
+
+
+def test_auto_shares_are_explained() -> None:
+    proc = kvcache_run("simulate", *TINY, "--shares", "auto")
+    assert proc.returncode == 0, proc.stderr
+    heading = proc.stdout.splitlines()[0]
+    length = int(heading.split("auto(L=")[1].split(")")[0])
+    assert (
+        f"  auto(L={length}): shares sized so that every window runs out at the same "
+        "concurrency" in proc.stdout
+    )
+    assert f"for sequences of L = {length:,} tokens" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--draft-tokens", "1000"], "argument --draft-tokens: '1000' is more than 256"),
+        (["--max-batch-size", "0"], "argument --max-batch-size: expected a positive integer"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0"),
+        (["--shares", "1,x"], "argument --shares: expected one of 'equal'"),
+        (["--model", "nope"], "unknown model 'nope'"),
+    ],
+)
+def test_simulate_bad_values(args: list[str], fragment: str) -> None:
+    assert_usage_error(kvcache_run("simulate", *args), fragment)
+
+
+def test_progress_bar_counts_steps_like_the_report() -> None:
+    import pty
+
+    main_fd, child_fd = pty.openpty()  # the bar is drawn only when stderr is a terminal
+    try:
+        proc = subprocess.run(
+            [*_console_script(), "simulate", *TINY],
+            stdout=subprocess.PIPE,
+            stderr=child_fd,
+            text=True,
+            env=_env(),
+            timeout=120,
+        )
+    finally:
+        os.close(child_fd)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # EIO: nothing left
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main_fd)
+    assert proc.returncode == 0
+    bar = b"".join(chunks).decode().replace("\r\n", "\n").split("\r")[-1]
+    steps = next(line.split()[2] for line in proc.stdout.splitlines() if "engine steps" in line)
+    assert "100% " in bar and f" {steps} engine steps, running 0" in bar, bar

@@ -19,7 +19,7 @@ from kvcache.simulate import (
 )
 from kvcache.sizing import SHARES_ENV_VAR, TRTLLM_SHARES_ENV_VAR
 
-SMALL = ["--model", "gemma-3-1b", "--memory", "512MiB", "--num-requests", "12"]
+SMALL = ["--model", "gemma-3-1b", "--memory", "512MiB", "--num-conversations", "12"]
 
 
 @pytest.fixture(autouse=True)
@@ -269,7 +269,7 @@ def test_cli_simulate_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert text.startswith("kvcache simulate: gemma-3-1b, 512 MiB primary KV memory, equal")
     for label in ("requests", "engine steps", "concurrency", "paused", "manager time/step"):
         assert f"  {label}" in text
-    data = json.loads(out_json.read_text())
+    data = json.loads(out_json.read_text())["runs"][0]
     assert data["model"] == "gemma-3-1b"
     assert data["completed"] == data["requests"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -286,10 +286,11 @@ def test_cli_simulate_trace_and_shares(tmp_path: Path, capsys: pytest.CaptureFix
         == 0
     )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split()[:3] == ["shares", "equal", "proportional"]
-    assert lines[2].split()[3].startswith("auto(L=")  # auto uses the workload's mean length
-    assert lines[2].split()[4] == "1,3"
-    assert len(json.loads((tmp_path / "c.json").read_text())) == 4
+    assert lines[1] == f"  workload: trace {trace}, {len(read_trace(trace))} requests"
+    assert lines[3].split()[:3] == ["shares", "equal", "proportional"]
+    assert lines[3].split()[3].startswith("auto(L=")  # auto uses the workload's mean length
+    assert lines[3].split()[4] == "1,3"
+    assert len(json.loads((tmp_path / "c.json").read_text())["runs"]) == 4
 
 
 @pytest.mark.parametrize(
@@ -307,7 +308,7 @@ def test_cli_simulate_trace_and_shares(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_simulate_errors(
     capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
-    assert main(["simulate", *SMALL, *extra]) != 0
+    assert main(["simulate", *SMALL, *extra]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1, err
     assert message in err
@@ -316,10 +317,12 @@ def test_cli_simulate_errors(
 def test_cli_simulate_bad_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"request_id": 1, "arrival": 0, "prompt": [1], "output": [2]}\nnot json\n')
-    assert main(["simulate", "--trace", str(trace)]) == 1
+    assert main(["simulate", "--trace", str(trace)]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"kvcache: error: {trace}:2: not valid JSON (Expecting value)"]
-    assert main(["simulate", "--trace", str(tmp_path / "none.jsonl")]) == 1
+    assert err.splitlines() == [
+        f"kvcache simulate: error: {trace}:2: not valid JSON (Expecting value)"
+    ]
+    assert main(["simulate", "--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "cannot read trace" in capsys.readouterr().err
 
 
@@ -343,7 +346,7 @@ def test_cli_simulate_reuse_flags(capsys: pytest.CaptureFixture[str], tmp_path: 
     text = capsys.readouterr().out
     assert "  block reuse on (sliding windows: placeholder), host cache 64.0 MiB" in text
     assert "  host offload        offloaded " in text
-    data = json.loads(out_json.read_text())
+    data = json.loads(out_json.read_text())["runs"][0]
     assert data["swa_reuse_policy"] == "placeholder"
     assert data["host_cache_bytes"] == 64 * 2**20
     assert set(data["cache_hit_rate_per_window"]) == {"512", str(data["max_seq_len"])}

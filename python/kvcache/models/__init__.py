@@ -114,30 +114,57 @@ def list_models() -> list[str]:
 def load_model(name: str) -> ModelPreset:
     """Loads a preset by name (case-insensitive), or from a preset JSON file path.
 
+    A name that ends in ``.json`` or holds a path separator is a file; anything else is a
+    built-in preset name.
+
     Args:
         name: A name from :func:`list_models`, or the path of a ``.json`` file in the same
-            format as the built-in presets.
+            format as the built-in presets: an object with ``name``, ``model`` (the
+            :class:`~kvcache.config.ModelConfig` fields) and ``max_context``, and optionally
+            ``max_attention_window``, ``description`` and ``source``.
 
     Returns:
         The preset.
 
     Raises:
-        ValueError: Unknown name (the message lists the known ones) or a malformed file.
+        ValueError: Unknown name (the message lists the known ones), a file that does not
+            exist or cannot be read, or a malformed file (the message names the file and
+            the key).
 
     Example:
         >>> load_model("Gemma-3-1B").model.num_kv_heads
         1
     """
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
-    if name.endswith(_SUFFIX) and os.path.isfile(name):
-        text = Path(name).read_text(encoding="utf-8")
+    if name.endswith(_SUFFIX) or os.sep in name or "/" in name:
+        path = Path(name)
+        if not path.exists():
+            raise ValueError(f"model file {name!r} does not exist")
+        if path.is_dir():
+            raise ValueError(f"model file {name!r} is a directory")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"cannot read model file {name!r}: {reason}") from None
         return _parse(text, origin=name)
     key = name.strip().lower()
     if key not in list_models():
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(list_models())}")
+        raise ValueError(
+            f"unknown model {name!r}; known models: {', '.join(list_models())} "
+            "(or the path of a preset .json file)"
+        )
     text = (_data_dir() / f"{key}{_SUFFIX}").read_text(encoding="utf-8")
     return _parse(text, origin=f"preset {key!r}")
+
+
+_REQUIRED = ("name", "model", "max_context")
+_MODEL_REQUIRED = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def _quoted(keys: list[str] | tuple[str, ...]) -> str:
+    return ", ".join(repr(k) for k in keys)
 
 
 def _parse(text: str, *, origin: str) -> ModelPreset:
@@ -148,12 +175,20 @@ def _parse(text: str, *, origin: str) -> ModelPreset:
     if not isinstance(d, dict):
         raise ValueError(f"{origin}: expected a JSON object")
     unknown = sorted(set(d) - set(_KEYS))
-    missing = [k for k in ("name", "model", "max_context") if k not in d]
-    if unknown or missing:
-        raise ValueError(f"{origin}: unknown keys {unknown} / missing keys {missing}")
+    if unknown:
+        raise ValueError(f"{origin}: unknown keys {_quoted(unknown)}; known keys: {_quoted(_KEYS)}")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise ValueError(
+            f"{origin}: missing keys {_quoted(missing)}; a preset needs {_quoted(_REQUIRED)} "
+            "(and may have 'max_attention_window', 'description', 'source')"
+        )
     try:
         if not isinstance(d["model"], dict):
             raise ValueError("'model' must be an object of ModelConfig fields")
+        absent = [k for k in _MODEL_REQUIRED if k not in d["model"]]
+        if absent:
+            raise ValueError(f"'model' is missing {_quoted(absent)}")
         model = ModelConfig.from_dict(d["model"])
         # KvCacheConfig validates and normalises the window pattern.
         pattern = KvCacheConfig(max_attention_window=d.get("max_attention_window"))

@@ -1,0 +1,78 @@
+"""Workload simulation: replay requests through the manager the way an engine would.
+
+The simulator drives a :class:`~kvcache.resource_manager.KVCacheResourceManager` on the
+``virtual`` backend (bookkeeping only, no KV memory) step by step with a
+:class:`~kvcache.scheduler.CapacityScheduler`: each engine step runs the scheduled context
+requests (whole prompts) and generates one token for every generation request (more with
+draft tokens). Output tokens come from the workload, so runs are deterministic.
+
+Workloads are either the built-in seeded multi-turn chat generator
+(:func:`default_workload`) or a JSON Lines trace (:func:`read_trace`), one request per line::
+
+    {"request_id": 1, "arrival": 0, "prompt": [1, 2, 3], "output": [4, 5]}
+
+with optional ``"lora_task_id"`` (int), ``"cache_salt"`` (str or int) and ``"priority"``
+(int 0..100). ``arrival`` is the engine step at which the request arrives.
+
+Modules: :mod:`~kvcache.simulate.workload` (traces, the built-in workload),
+:mod:`~kvcache.simulate.loop` (:func:`simulate`), :mod:`~kvcache.simulate.report` (text and
+JSON reports), :mod:`~kvcache.simulate.plot` (matplotlib) and
+:mod:`~kvcache.simulate.command` (``kvcache simulate``).
+
+Example:
+    >>> trace = default_workload(seed=1, num_conversations=4)
+    >>> report = simulate(trace, model="gemma-3-1b", memory_bytes=256 * 2**20)
+    >>> report.completed == len(trace), report.generated_tokens == sum(
+    ...     len(t.output) for t in trace)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from kvcache.simulate.loop import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    MAX_SIMULATED_BLOCKS,
+    simulate,
+    simulation_blocks,
+)
+from kvcache.simulate.plot import plot_reports
+from kvcache.simulate.report import (
+    SimulationReport,
+    WindowReport,
+    format_comparison,
+    format_report,
+    report_json,
+)
+from kvcache.simulate.workload import (
+    DEFAULT_CONVERSATIONS,
+    MAX_REQUEST_ID,
+    MAX_TOKEN_ID,
+    TraceRequest,
+    default_workload,
+    read_trace,
+    write_trace,
+)
+
+__all__ = [
+    "DEFAULT_CONVERSATIONS",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MEMORY",
+    "DEFAULT_MODEL",
+    "MAX_REQUEST_ID",
+    "MAX_SIMULATED_BLOCKS",
+    "MAX_TOKEN_ID",
+    "SimulationReport",
+    "TraceRequest",
+    "WindowReport",
+    "default_workload",
+    "format_comparison",
+    "format_report",
+    "plot_reports",
+    "read_trace",
+    "report_json",
+    "simulate",
+    "simulation_blocks",
+    "write_trace",
+]
