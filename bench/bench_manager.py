@@ -5,6 +5,10 @@ Prints a table of medians; never asserts. Run: ``python bench/bench_manager.py``
 * ``add_tokens``: one decode step for a batch of 256 sequences on a model with two windows
   (a 128-token sliding window and full attention), reported as ns per sequence per step.
 * ``add_sequence + remove_sequence`` of a 4,096-token prompt.
+* Prepared prompts (``KVCacheManager.prepare``): ``add_sequence`` alone of a 2,500-token
+  prompt that misses the cache (windows {512, full}, 32-token blocks, reuse on), from a
+  Python list, an int32 ndarray and a prepared prompt; and the retry of a deferred admission
+  (``get_num_blocks_to_allocate``) of a prompt whose 1,024-token system prompt is cached.
 """
 
 from __future__ import annotations
@@ -71,6 +75,53 @@ def bench_add_remove(prompt_len: int, iterations: int, reuse: bool) -> float:
     return statistics.median(times) / 1000
 
 
+def _reuse_manager() -> KVCacheManager:
+    model = ModelConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    config = KvCacheConfig(tokens_per_block=32, max_attention_window=[512, None], backend="virtual")
+    return KVCacheManager.from_blocks(
+        model, config, {512: 40000, 8192: 40000}, max_seq_len=8192, max_batch_size=4096
+    )
+
+
+def _median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1000
+
+
+def bench_prepared(iterations: int) -> list[tuple[str, float]]:
+    """Median µs of add_sequence (a miss) and of an admission retry, raw vs prepared."""
+    rng = np.random.default_rng(7)
+    out: list[tuple[str, float]] = []
+    prompts = [rng.integers(0, 32000, 2500, dtype=np.int32) for _ in range(iterations)]
+    for label, convert in (
+        ("list", lambda p: p.tolist()),
+        ("int32 ndarray", lambda p: p),
+        ("prepared", None),
+    ):
+        m = _reuse_manager()
+        inputs = [m.prepare(p) if convert is None else convert(p) for p in prompts]
+        times = []
+        for i, prompt in enumerate(inputs):
+            t0 = time.perf_counter_ns()
+            m.add_sequence(i, prompt)
+            times.append(time.perf_counter_ns() - t0)
+            m.remove_sequence(i, store_for_reuse=False)
+        out.append((f"add_sequence, 2,500-token miss, {label}", _median_us(times)))
+    system = rng.integers(0, 32000, 1024, dtype=np.int32)
+    prompt = np.concatenate([system, rng.integers(0, 32000, 1500, dtype=np.int32)])
+    for label, query in (("int32 ndarray", prompt), ("prepared", None)):
+        m = _reuse_manager()
+        m.add_sequence(0, system)
+        m.remove_sequence(0)  # the system prompt is cached
+        q = m.prepare(prompt) if query is None else query
+        times = []
+        for _ in range(iterations):
+            t0 = time.perf_counter_ns()
+            m.get_num_blocks_to_allocate(q)
+            times.append(time.perf_counter_ns() - t0)
+        out.append((f"admission retry (1,024-token hit), {label}", _median_us(times)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256)
@@ -84,6 +135,8 @@ def main() -> None:
     print(f"{f'add_tokens, batch {args.batch}, 2 windows':<48} {per_seq:>9.1f} ns/seq/step")
     print(f"{'add_sequence + remove_sequence, 4096 tokens':<48} {add_remove:>9.1f} us")
     print(f"{'  the same with reuse on (a full hit each time)':<48} {add_remove_hit:>9.1f} us")
+    for label, us in bench_prepared(2000):
+        print(f"{label:<48} {us:>9.2f} us")
 
 
 if __name__ == "__main__":

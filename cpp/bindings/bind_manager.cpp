@@ -371,13 +371,31 @@ ReuseExtras MakeExtras(const std::optional<LoraTaskId>& lora_task_id, const std:
   return extras;
 }
 
+/// The PreparedPrompt passed where tokens go, or null. Its reuse keys are fixed, so passing
+/// lora_task_id, cache_salt or multimodal as well is a mistake.
+const PreparedPrompt* AsPrepared(const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
+                                 const std::optional<CacheSalt>& cache_salt,
+                                 const std::vector<MultimodalArg>& multimodal) {
+  if (!pybind11::isinstance<PreparedPrompt>(tokens)) return nullptr;
+  if (lora_task_id.has_value() || cache_salt.has_value() || !multimodal.empty()) {
+    ThrowInvalid("lora_task_id, cache_salt and multimodal come from the prepared prompt: pass them to prepare()");
+  }
+  return &tokens.cast<const PreparedPrompt&>();
+}
+
 /// Binds a read-only query over a prompt and its reuse keys: converts the arguments, releases
 /// the GIL and calls `query(tokens, n, extras)`.
 template <typename R>
-auto PromptQuery(R (KVCacheManager::*query)(const TokenId*, std::size_t, const ReuseExtras&) const) {
-  return [query](const KVCacheManager& self, const pybind11::handle& tokens,
-                 const std::optional<LoraTaskId>& lora_task_id, const std::optional<CacheSalt>& cache_salt,
-                 const std::vector<MultimodalArg>& multimodal) {
+auto PromptQuery(R (KVCacheManager::*query)(const TokenId*, std::size_t, const ReuseExtras&) const,
+                 R (KVCacheManager::*prepared_query)(const PreparedPrompt&) const) {
+  return [query, prepared_query](const KVCacheManager& self, const pybind11::handle& tokens,
+                                 const std::optional<LoraTaskId>& lora_task_id,
+                                 const std::optional<CacheSalt>& cache_salt,
+                                 const std::vector<MultimodalArg>& multimodal) {
+    if (const PreparedPrompt* p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
+      pybind11::gil_scoped_release release;
+      return (self.*prepared_query)(*p);
+    }
     const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
     const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
     pybind11::gil_scoped_release release;
@@ -540,6 +558,26 @@ void BindManager(pybind11::module_& m) {
            pybind11::kw_only(), pybind11::arg("max_version") = pybind11::none(),
            pybind11::arg("dl_device") = pybind11::none(), pybind11::arg("copy") = pybind11::none());
 
+  pybind11::class_<PreparedPrompt, std::shared_ptr<PreparedPrompt>>(
+      m, "PreparedPrompt",
+      "A prompt converted and keyed once (KVCacheManager.prepare): accepted wherever a prompt is, so "
+      "retried admissions, lookups and block counts convert and hash nothing again. Immutable.")
+      .def("__len__", [](const PreparedPrompt& p) { return p.tokens.size(); })
+      .def_property_readonly(
+          "tokens",
+          [](const PreparedPrompt& p) {
+            return pybind11::array_t<std::int32_t>(static_cast<pybind11::ssize_t>(p.tokens.size()), p.tokens.data());
+          },
+          "A copy of the token ids (int32 ndarray).")
+      .def_property_readonly("tokens_per_block", [](const PreparedPrompt& p) { return p.tokens_per_block; })
+      .def_property_readonly("lora_task_id", [](const PreparedPrompt& p) { return p.extras.lora_task_id; })
+      .def_property_readonly("num_keyed_blocks", [](const PreparedPrompt& p) { return p.hashes.size(); },
+                             "Full blocks keyed (chained hash computed) at preparation.")
+      .def("__repr__", [](const PreparedPrompt& p) {
+        return detail::Concat("PreparedPrompt(", p.tokens.size(), " tokens, tokens_per_block=", p.tokens_per_block,
+                              ")");
+      });
+
   using M = KVCacheManager;
   pybind11::class_<M> cls(m, "KVCacheManager", "Native KV cache manager (see kvcache.KVCacheManager).");
   cls.def(pybind11::init(&MakeManager), pybind11::kw_only(), pybind11::arg("num_layers"),
@@ -595,16 +633,19 @@ void BindManager(pybind11::module_& m) {
              const std::vector<MultimodalArg>& multimodal, const std::vector<PriorityRangeArg>& priority_ranges,
              const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms,
              const std::optional<PrefillArg>& prefill) {
-            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const PreparedPrompt* prepared = AsPrepared(tokens, lora_task_id, cache_salt, multimodal);
+            std::vector<TokenId> toks;
+            if (prepared == nullptr) toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
             opts.priority = Unwrap(priority);
-            opts.extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            if (prepared == nullptr) opts.extras = MakeExtras(lora_task_id, cache_salt, multimodal);
             for (const auto& [start, end, prio, duration] : priority_ranges) {
               opts.priority_ranges.push_back(PriorityRange{start, end, prio, duration});
             }
             opts.decode_priority = Unwrap(decode_priority);
             opts.decode_duration_ms = decode_duration_ms;
             pybind11::gil_scoped_release release;
+            if (prepared != nullptr) return self.AddSequence(id, *prepared, opts, Unwrap(prefill));
             return self.AddSequence(id, toks.data(), toks.size(), opts, Unwrap(prefill));
           },
           pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none(),
@@ -614,6 +655,36 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0,
           pybind11::arg("prefill") = pybind11::none())
       .def(
+          "_add_sequence_plain",
+          [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
+            // The common admission (no priorities, keys from the prompt): few arguments to parse.
+            if (const PreparedPrompt* p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
+              pybind11::gil_scoped_release release;
+              return self.AddSequence(id, *p, SequenceOptions{}, Unwrap(prefill));
+            }
+            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            pybind11::gil_scoped_release release;
+            return self.AddSequence(id, toks.data(), toks.size(), SequenceOptions{}, Unwrap(prefill));
+          },
+          pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("prefill") = pybind11::none())
+      .def(
+          "_blocks_to_allocate_plain",
+          [](const M& self, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
+            std::map<WindowSize, std::int32_t> need;
+            if (const PreparedPrompt* p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
+              pybind11::gil_scoped_release release;
+              need = self.GetNumBlocksToAllocate(*p, Unwrap(prefill));
+            } else {
+              const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+              pybind11::gil_scoped_release release;
+              need = self.GetNumBlocksToAllocate(toks.data(), toks.size(), ReuseExtras{}, Unwrap(prefill));
+            }
+            pybind11::dict out;
+            for (const auto& [w, n] : need) out[pybind11::int_(w)] = pybind11::int_(n);
+            return out;
+          },
+          pybind11::arg("tokens"), pybind11::arg("prefill") = pybind11::none())
+      .def(
           "prefill", [](M& self, RequestId id, ChunkTokens num_tokens) { self.Prefill(id, num_tokens); },
           pybind11::arg("request_id"), pybind11::arg("num_tokens"), pybind11::call_guard<pybind11::gil_scoped_release>(),
           "Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the "
@@ -621,7 +692,20 @@ void BindManager(pybind11::module_& m) {
       .def(
           "prompt_length", [](const M& self, RequestId id) { return self.PromptLength(id); },
           pybind11::arg("request_id"), "Prompt tokens of the sequence (num_tokens counts those with blocks).")
-      .def("_get_reusable_prefix_length", PromptQuery(&M::GetReusablePrefixLength), pybind11::arg("tokens"),
+      .def(
+          "_prepare",
+          [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
+             const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal) {
+            if (pybind11::isinstance<PreparedPrompt>(tokens)) ThrowInvalid("prepare: the prompt is already prepared");
+            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
+            pybind11::gil_scoped_release release;
+            return std::make_shared<PreparedPrompt>(self.Prepare(toks.data(), toks.size(), extras));
+          },
+          pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
+          pybind11::arg("cache_salt") = pybind11::none(), pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
+      .def("_get_reusable_prefix_length",
+           PromptQuery<std::int32_t>(&M::GetReusablePrefixLength, &M::GetReusablePrefixLength), pybind11::arg("tokens"),
            pybind11::arg("lora_task_id") = pybind11::none(), pybind11::arg("cache_salt") = pybind11::none(),
            pybind11::arg("multimodal") = std::vector<MultimodalArg>{})
       .def(
@@ -629,6 +713,10 @@ void BindManager(pybind11::module_& m) {
           [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
              const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal,
              const std::optional<PrefillArg>& prefill) {
+            if (const PreparedPrompt* p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
+              pybind11::gil_scoped_release release;
+              return self.GetNumBlocksToAllocate(*p, Unwrap(prefill));
+            }
             const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
             pybind11::gil_scoped_release release;

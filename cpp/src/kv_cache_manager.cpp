@@ -315,31 +315,71 @@ std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& pl
   return need;
 }
 
-void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const std::string& who) const {
-  if (n == 0) ThrowInvalid(who, ": the prompt is empty");
-  if (n > static_cast<std::size_t>(max_seq_len_)) {
-    ThrowInvalid(who, ": prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
-  }
+void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const {
+  auto fail = [&](auto&&... what) {
+    if (id >= 0) ThrowInvalid("request ", id, ": ", what...);
+    ThrowInvalid(who, ": ", what...);
+  };
+  if (n == 0) fail("the prompt is empty");
+  if (n > static_cast<std::size_t>(max_seq_len_)) fail("prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
   for (std::size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0) ThrowInvalid(who, ": token ", i, " is negative (", tokens[i], ")");
+    if (tokens[i] < 0) fail("token ", i, " is negative (", tokens[i], ")");
   }
 }
 
-std::int32_t KVCacheManager::FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill,
-                                           const std::string& who) const {
+void KVCacheManager::ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const {
+  if (!prefill.has_value() || *prefill >= 1) return;
+  if (id >= 0) ThrowInvalid("request ", id, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
+  ThrowInvalid(who, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
+}
+
+void KVCacheManager::CheckPrepared(const PreparedPrompt& prompt) const {
+  if (prompt.tokens_per_block != tpb_) {
+    ThrowInvalid("the prepared prompt was keyed for tokens_per_block ", prompt.tokens_per_block, ", this manager uses ",
+                 tpb_);
+  }
+  if (prompt.tokens.size() > static_cast<std::size_t>(max_seq_len_)) {
+    ThrowInvalid("the prepared prompt has ", prompt.tokens.size(), " tokens, more than max_seq_len ", max_seq_len_);
+  }
+}
+
+PreparedPrompt KVCacheManager::Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const {
+  ValidatePrompt(tokens, n, "prepare", -1);
+  for (const MultimodalItem& item : extras.multimodal) {
+    if (item.start < 0 || item.length < 0) {
+      ThrowInvalid("prepare: multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
+    }
+  }
+  PreparedPrompt p;
+  p.tokens.assign(tokens, tokens + n);
+  p.extras = extras;
+  p.tokens_per_block = tpb_;
+  const auto full = static_cast<std::int32_t>(n / static_cast<std::size_t>(tpb_));
+  p.digests.resize(static_cast<std::size_t>(full));
+  p.hashes.resize(static_cast<std::size_t>(full));
+  std::uint64_t hash = 0;
+  for (std::int32_t d = 0; d < full; ++d) {
+    const auto i = static_cast<std::size_t>(d);
+    p.digests[i] = BlockExtrasDigest(extras, d, d * tpb_, tpb_);
+    hash = ChainHash(hash, tokens + static_cast<std::ptrdiff_t>(d) * tpb_, tpb_, p.digests[i]);
+    p.hashes[i] = hash;
+  }
+  return p;
+}
+
+std::int32_t KVCacheManager::FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const {
   if (!prefill.has_value()) return static_cast<std::int32_t>(n);
-  if (*prefill < 1) ThrowInvalid(who, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
   return static_cast<std::int32_t>(std::min<std::int64_t>(static_cast<std::int64_t>(n),
                                                           static_cast<std::int64_t>(reused) + *prefill));
 }
 
-std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
+std::map<WindowSize, std::int32_t> KVCacheManager::BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
                                                                           const ReuseExtras& extras,
-                                                                          std::optional<std::int32_t> prefill) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  ValidatePrompt(tokens, n, "get_num_blocks_to_allocate");
-  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras) : ReusePlan{};
-  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill, "get_num_blocks_to_allocate");
+                                                                          std::optional<std::int32_t> prefill,
+                                                                          const PreparedPrompt* prepared) const {
+  ValidatePrefill(prefill, "get_num_blocks_to_allocate", -1);
+  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras, prepared) : ReusePlan{};
+  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
   std::vector<std::int32_t> front;
   const auto need = PromptBlocksNeeded(plan, CeilDiv(first, tpb_), &front);
   std::map<WindowSize, std::int32_t> out;
@@ -347,12 +387,43 @@ std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const 
   return out;
 }
 
+std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
+                                                                          const ReuseExtras& extras,
+                                                                          std::optional<std::int32_t> prefill) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ValidatePrompt(tokens, n, "get_num_blocks_to_allocate", -1);
+  return BlocksToAllocateLocked(tokens, n, extras, prefill, nullptr);
+}
+
+std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const PreparedPrompt& prompt,
+                                                                          std::optional<std::int32_t> prefill) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckPrepared(prompt);
+  return BlocksToAllocateLocked(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, prefill, &prompt);
+}
+
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                                          const SequenceOptions& options, std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
-  ValidatePrompt(tokens, n, detail::Concat("request ", id));
+  ValidatePrompt(tokens, n, "add_sequence", id);
+  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr);
+}
+
+std::int32_t KVCacheManager::AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options,
+                                         std::optional<std::int32_t> prefill) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckPrepared(prompt);
+  return AddSequenceLocked(id, prompt.tokens.data(), prompt.tokens.size(), options, prefill, &prompt);
+}
+
+std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
+                                               const SequenceOptions& options, std::optional<std::int32_t> prefill,
+                                               const PreparedPrompt* prepared) {
+  if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
+  if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
+  const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
   auto check_priority = [id](const char* what, int p) {
     if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
   };
@@ -366,7 +437,7 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
       ThrowInvalid("request ", id, ": bad priority range [", r.start, ", ", r.end, ")");
     }
   }
-  for (const MultimodalItem& item : options.extras.multimodal) {
+  for (const MultimodalItem& item : extras.multimodal) {
     if (item.start < 0 || item.length < 0) {
       ThrowInvalid("request ", id, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
     }
@@ -375,13 +446,11 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
     throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
                                       ") sequences are already registered"));
   }
-  if (prefill.has_value() && *prefill < 1) {
-    ThrowInvalid("request ", id, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
-  }
-  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, options.extras) : ReusePlan{};
+  ValidatePrefill(prefill, "add_sequence", id);
+  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras, prepared) : ReusePlan{};
   const std::int32_t reused = plan.reused_tokens;
   // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
-  const std::int32_t first = FirstChunkEnd(n, reused, prefill, detail::Concat("request ", id));
+  const std::int32_t first = FirstChunkEnd(n, reused, prefill);
   const std::int32_t num_blocks = CeilDiv(first, tpb_);
   const std::int32_t prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
   const std::int32_t full = plan.full_blocks;
@@ -404,8 +473,12 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::s
   seq.priority_ranges = options.priority_ranges;
   seq.decode_priority = options.decode_priority;
   seq.decode_duration_ms = options.decode_duration_ms;
-  seq.extras = options.extras;
+  seq.extras = extras;
   seq.tokens.assign(tokens, tokens + n);
+  if (prepared != nullptr) {
+    seq.prompt_digests = prepared->digests;
+    seq.prompt_hashes = prepared->hashes;
+  }
   seq.windows.resize(windows_.size());
   seq.reused_tokens = reused;
   // Claim everything the plan reuses before taking any free block, so that no eviction can

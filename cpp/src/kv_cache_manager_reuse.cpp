@@ -16,8 +16,8 @@ std::int32_t CommonPrefix(const TokenId* a, const TokenId* b, std::int32_t n) {
 
 }  // namespace
 
-KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::size_t n,
-                                                    const ReuseExtras& extras) const {
+KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                                    const PreparedPrompt* prepared) const {
   ReusePlan plan;
   const std::size_t nw = windows_.size();
   plan.partial_src.assign(nw, kNullBlock);
@@ -30,8 +30,9 @@ KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::
   std::uint64_t hash = 0;
   for (std::int32_t d = 0; d < num_full; ++d) {
     const TokenId* t = tokens + static_cast<std::ptrdiff_t>(d) * tpb_;
-    const std::uint64_t digest = BlockExtrasDigest(extras, d, d * tpb_, tpb_);
-    const std::uint64_t h = ChainHash(hash, t, tpb_, digest);
+    const auto i = static_cast<std::size_t>(d);
+    const std::uint64_t digest = prepared != nullptr ? prepared->digests[i] : BlockExtrasDigest(extras, d, d * tpb_, tpb_);
+    const std::uint64_t h = prepared != nullptr ? prepared->hashes[i] : ChainHash(hash, t, tpb_, digest);
     const NodeId child = tree_->FindChild(node, h, t, tpb_, digest);
     if (child == kNoNode) break;
     plan.path.push_back(child);
@@ -135,8 +136,11 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
     const std::int32_t start = d * tpb_;
     const std::int32_t len = std::min(tpb_, key_len - start);
     const TokenId* t = seq.tokens.data() + start;
-    const std::uint64_t digest = BlockExtrasDigest(seq.extras, d, start, len);
-    const std::uint64_t h = ChainHash(parent_hash, t, len, digest);
+    // A prepared prompt's full blocks were keyed once; the rest is keyed here.
+    const bool keyed = len == tpb_ && d < static_cast<std::int32_t>(seq.prompt_hashes.size()) && start + len <= seq.prompt_len;
+    const auto i = static_cast<std::size_t>(d);
+    const std::uint64_t digest = keyed ? seq.prompt_digests[i] : BlockExtrasDigest(seq.extras, d, start, len);
+    const std::uint64_t h = keyed ? seq.prompt_hashes[i] : ChainHash(parent_hash, t, len, digest);
     const NodeId node = tree_->GetOrCreateChild(parent, h, t, len, digest, HasMultimodal(seq.extras, start, len));
     if (node == kNoNode) break;  // a 64-bit hash collision with another key: stop storing
     bool any = false;
@@ -281,8 +285,14 @@ void KVCacheManager::RefreshBlocks() {
 std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std::size_t n,
                                                      const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);
-  ValidatePrompt(tokens, n, "get_reusable_prefix_length");
+  ValidatePrompt(tokens, n, "get_reusable_prefix_length", -1);
   return reuse_ ? PlanReuse(tokens, n, extras).reused_tokens : 0;
+}
+
+std::int32_t KVCacheManager::GetReusablePrefixLength(const PreparedPrompt& prompt) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckPrepared(prompt);
+  return reuse_ ? PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt).reused_tokens : 0;
 }
 
 bool KVCacheManager::IsSequenceValidForReuse(SeqId id) const {

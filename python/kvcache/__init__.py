@@ -13,6 +13,7 @@ from kvcache._core import (
     InternalError,
     KVCacheError,
     OutOfBlocksError,
+    PreparedPrompt,
 )
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.manager import (
@@ -52,6 +53,7 @@ __all__ = [
     "KvCacheStats",
     "ModelConfig",
     "OutOfBlocksError",
+    "PreparedPrompt",
     "Request",
     "ScheduledBatch",
     "__version__",

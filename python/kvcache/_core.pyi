@@ -4,6 +4,8 @@ kvcache native core: VSWA block pools, sliding windows and memory backends
 
 from __future__ import annotations
 import collections.abc
+import numpy
+import numpy.typing
 import typing
 import typing_extensions
 
@@ -18,6 +20,7 @@ __all__: list[str] = [
     "NULL_BLOCK",
     "OFFSET_SENTINEL",
     "OutOfBlocksError",
+    "PreparedPrompt",
     "cuda_available",
     "cuda_compiled",
     "cuda_mem_get_info",
@@ -64,6 +67,27 @@ class LayerBuffer:
         """
         Strides in bytes.
         """
+
+class PreparedPrompt:
+    """
+    A prompt converted and keyed once (KVCacheManager.prepare): accepted wherever a prompt is, so retried admissions, lookups and block counts convert and hash nothing again. Immutable.
+    """
+    def __len__(self) -> int: ...
+    def __repr__(self) -> str: ...
+    @property
+    def lora_task_id(self) -> int | None: ...
+    @property
+    def num_keyed_blocks(self) -> int:
+        """
+        Full blocks keyed (chained hash computed) at preparation.
+        """
+    @property
+    def tokens(self) -> numpy.typing.NDArray[numpy.int32]:
+        """
+        A copy of the token ids (int32 ndarray).
+        """
+    @property
+    def tokens_per_block(self) -> int: ...
 
 class KVCacheManager:
     """
@@ -116,6 +140,15 @@ class KVCacheManager:
         decode_duration_ms: typing.SupportsIndex = 0,
         prefill: typing.SupportsIndex | None = None,
     ) -> int: ...
+    def _add_sequence_plain(
+        self,
+        request_id: typing.SupportsIndex,
+        tokens: typing.Any,
+        prefill: typing.SupportsIndex | None = None,
+    ) -> int: ...
+    def _blocks_to_allocate_plain(
+        self, tokens: typing.Any, prefill: typing.SupportsIndex | None = None
+    ) -> dict: ...
     def _get_num_blocks_to_allocate(
         self,
         tokens: typing.Any,
@@ -140,6 +173,15 @@ class KVCacheManager:
         """
         LayerBuffer view on any backend with memory (tests).
         """
+    def _prepare(
+        self,
+        tokens: typing.Any,
+        lora_task_id: typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsIndex | None = None,
+        multimodal: collections.abc.Sequence[
+            tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
+        ] = [],
+    ) -> PreparedPrompt: ...
     def _set_fake_time_ms(self, now_ms: typing.SupportsIndex) -> None:
         """
         Test hook: a fixed clock for timed priorities (negative: the real clock).

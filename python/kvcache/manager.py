@@ -373,10 +373,31 @@ class KVCacheManager(_core.KVCacheManager):
         self._init(model, config, blocks_per_window, max_seq_len, max_batch_size, max_draft_tokens)
         return self
 
+    def prepare(
+        self,
+        tokens: Sequence[int] | Any,
+        *,
+        lora_task_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+    ) -> _core.PreparedPrompt:
+        """Converts and keys a prompt once, for every later call that takes a prompt.
+
+        ``add_sequence``, ``get_reusable_prefix_length`` and ``get_num_blocks_to_allocate``
+        accept the result in place of ``tokens`` (without ``lora_task_id`` / ``cache_salt`` /
+        ``multimodal``, which it carries), so an admission retried every step, a lookup and a
+        re-admission after preemption convert and hash nothing again.
+
+        Raises:
+            ValueError: Empty or too long prompt, negative token, bad multimodal item, an
+                integer argument out of range.
+        """
+        return self._prepare(tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal))
+
     def add_sequence(
         self,
         request_id: int,
-        tokens: Sequence[int] | Any,
+        tokens: Sequence[int] | _core.PreparedPrompt | Any,
         *,
         lora_task_id: int | None = None,
         cache_salt: str | bytes | int | None = None,
@@ -402,7 +423,8 @@ class KVCacheManager(_core.KVCacheManager):
         Args:
             request_id: New, unique request id, ``0 <= request_id < 2**63``.
             tokens: Prompt token ids (sequence of ints or 1-D integer ndarray), non-empty,
-                at most ``max_seq_len`` long.
+                at most ``max_seq_len`` long, or a :meth:`prepare` d prompt (then without the
+                reuse-key arguments, which it carries).
             lora_task_id: LoRA adapter id (part of every block key; ``None`` differs from 0).
             cache_salt: Cache salt (part of the first block key, so of the whole chain).
             multimodal: ``(content_hash, start, length)`` items; each block's key holds every
@@ -424,6 +446,16 @@ class KVCacheManager(_core.KVCacheManager):
                 bad priority or multimodal item, an integer argument out of range.
             OutOfBlocksError: A window lacks blocks; nothing was changed.
         """
+        if (
+            priority is None
+            and priority_ranges is None
+            and decode_priority is None
+            and decode_duration_ms is None
+            and lora_task_id is None
+            and cache_salt is None
+            and multimodal is None
+        ):
+            return int(self._add_sequence_plain(request_id, tokens, prefill))  # the common case
         ranges = []
         for r in priority_ranges or ():
             if not isinstance(r, tuple | list) or len(r) != 4:
@@ -447,7 +479,7 @@ class KVCacheManager(_core.KVCacheManager):
 
     def get_reusable_prefix_length(
         self,
-        tokens: Sequence[int] | Any,
+        tokens: Sequence[int] | _core.PreparedPrompt | Any,
         *,
         lora_task_id: int | None = None,
         cache_salt: str | bytes | int | None = None,
@@ -462,7 +494,7 @@ class KVCacheManager(_core.KVCacheManager):
 
     def get_num_blocks_to_allocate(
         self,
-        tokens: Sequence[int] | Any,
+        tokens: Sequence[int] | _core.PreparedPrompt | Any,
         *,
         lora_task_id: int | None = None,
         cache_salt: str | bytes | int | None = None,
@@ -475,6 +507,8 @@ class KVCacheManager(_core.KVCacheManager):
         onboarded blocks, the partial block and fresh blocks cost one each. With ``prefill``,
         for the first chunk only, as ``add_sequence(..., prefill=prefill)``.
         """
+        if lora_task_id is None and cache_salt is None and multimodal is None:
+            return self._blocks_to_allocate_plain(tokens, prefill)
         return dict(
             self._get_num_blocks_to_allocate(
                 tokens,

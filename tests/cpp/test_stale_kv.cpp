@@ -175,10 +175,13 @@ class FakeEngine {
 
   /// AddSequence (with `prefill`: its first chunk only), then the checks of the reused positions,
   /// the prefill of the tokens that have blocks and its window check.
+  /// With `prepared`, through a PreparedPrompt (keyed once) instead of raw tokens.
   std::int32_t Add(SeqId id, const std::vector<TokenId>& prompt, const SequenceOptions& options = {},
-                   std::optional<std::int32_t> prefill = std::nullopt) {
-    const std::int32_t reused =
-        Guarded("AddSequence", [&] { return m_.AddSequence(id, prompt.data(), prompt.size(), options, prefill); });
+                   std::optional<std::int32_t> prefill = std::nullopt, bool prepared = false) {
+    const std::int32_t reused = Guarded("AddSequence", [&] {
+      if (!prepared) return m_.AddSequence(id, prompt.data(), prompt.size(), options, prefill);
+      return m_.AddSequence(id, m_.Prepare(prompt.data(), prompt.size(), options.extras), options, prefill);
+    });
     Request& r = live_[id];
     r.extras = options.extras;
     for (const TokenId t : prompt) r.Append(t);
@@ -957,7 +960,15 @@ class ContentRun {
     std::optional<std::int32_t> prefill;
     if (Chance(40)) prefill = static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(3 * config_.tpb)));
     if (prefill) ++stats_.chunked;
-    const std::int32_t reused = engine_.Add(id, prompt, options, prefill);
+    const bool prepared = Chance(30);
+    if (prepared) {
+      const PreparedPrompt p = m.Prepare(prompt.data(), prompt.size(), options.extras);
+      EXPECT_EQ(m.GetReusablePrefixLength(p), predicted) << Context(stats_.operations) << ": prepared lookup";
+      EXPECT_EQ(m.GetNumBlocksToAllocate(p, prefill),
+                m.GetNumBlocksToAllocate(prompt.data(), prompt.size(), options.extras, prefill))
+          << Context(stats_.operations) << ": prepared block count";
+    }
+    const std::int32_t reused = engine_.Add(id, prompt, options, prefill, prepared);
     EXPECT_EQ(reused, predicted) << Context(stats_.operations) << ": GetReusablePrefixLength disagrees";
     ++stats_.adds;
     stats_.hits += reused > 0 ? 1 : 0;

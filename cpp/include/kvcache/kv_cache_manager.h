@@ -16,6 +16,7 @@
 #include "kvcache/block_key.h"
 #include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
+#include "kvcache/prepared_prompt.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/sequence.h"
 #include "kvcache/types.h"
@@ -169,6 +170,12 @@ class KVCacheManager {
   std::int32_t AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                            const SequenceOptions& options = {},
                            std::optional<std::int32_t> prefill = std::nullopt);
+  /// AddSequence of a prepared prompt (its extras replace options.extras): no conversion, no
+  /// hashing.
+  std::int32_t AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options = {},
+                           std::optional<std::int32_t> prefill = std::nullopt);
+  /// Converts and keys a prompt once (validated like AddSequence's): see PreparedPrompt.
+  PreparedPrompt Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
   /// Chunked prefill: gives blocks for the next `num_tokens` prompt tokens of `id`, first
   /// releasing every sliding-window block that no query of the chunk can attend (the decode
   /// rule at the chunk's first position). All or nothing.
@@ -200,12 +207,15 @@ class KVCacheManager {
   void RefreshBlocks();
   /// What AddSequence would return now for this prompt, without changing anything.
   std::int32_t GetReusablePrefixLength(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
+  std::int32_t GetReusablePrefixLength(const PreparedPrompt& prompt) const;
   /// Free primary blocks per window that AddSequence of this prompt would take now (reused
   /// blocks that are referenced cost nothing; cached free ones, onboards and fresh ones one each).
   /// With `prefill`, for the first chunk only (as AddSequence with that `prefill`).
   std::map<WindowSize, std::int32_t> GetNumBlocksToAllocate(
       const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
       std::optional<std::int32_t> prefill = std::nullopt) const;
+  std::map<WindowSize, std::int32_t> GetNumBlocksToAllocate(
+      const PreparedPrompt& prompt, std::optional<std::int32_t> prefill = std::nullopt) const;
   bool IsSequenceValidForReuse(SeqId id) const;
   RequestStats GetRequestStats(SeqId id) const;
   /// Buffered events (empty without an event buffer); waits up to `timeout_ms` for one.
@@ -270,8 +280,8 @@ class KVCacheManager {
   /// `num_tokens` tokens.
   void ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
-  std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill,
-                             const std::string& who) const;
+  /// (`prefill`, when given, is >= 1: callers validate it first.)
+  std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
   std::int64_t NowMs() const;
   /// Priority and expiry of block position `j` of `seq`.
   std::pair<int, std::int64_t> BlockPriority(const Sequence& seq, std::int32_t j) const;
@@ -309,7 +319,18 @@ class KVCacheManager {
   void CheckOwnership() const;
   std::vector<std::int32_t> PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
                                                std::vector<std::int32_t>* front) const;
-  ReusePlan PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
+  /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
+  ReusePlan PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                      const PreparedPrompt* prepared = nullptr) const;
+  std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                                 std::optional<std::int32_t> prefill, const PreparedPrompt* prepared);
+  std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
+                                                            const ReuseExtras& extras,
+                                                            std::optional<std::int32_t> prefill,
+                                                            const PreparedPrompt* prepared) const;
+  /// A prepared prompt must come from a manager with this block size and fit max_seq_len.
+  void CheckPrepared(const PreparedPrompt& prompt) const;
+  void ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const;
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
@@ -317,9 +338,9 @@ class KVCacheManager {
                           std::vector<std::vector<BlockId>>* pinned);
   /// Pinned block lists per window index, keyed by window size.
   std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
-  /// Validates a prompt handed to AddSequence or a query: non-empty, at most max_seq_len tokens,
-  /// no negative token. `who` starts the error message.
-  void ValidatePrompt(const TokenId* tokens, std::size_t n, const std::string& who) const;
+  /// Validates a prompt handed to AddSequence (id >= 0) or a query (`who`, id < 0): non-empty, at
+  /// most max_seq_len tokens, no negative token. Messages are built only on error.
+  void ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const;
   void Pin(std::size_t w, BlockId b);
   void Unpin(std::size_t w, BlockId b);
 

@@ -48,6 +48,10 @@ struct Sequence {
   std::optional<int> decode_priority;
   std::int64_t decode_duration_ms = 0;
   ReuseExtras extras;
+  /// Extras digest and chained hash of each full prompt block when the prompt was prepared
+  /// (PreparedPrompt): storing then needs no hashing. Valid while (d + 1) * tpb <= prompt_len.
+  std::vector<std::uint64_t> prompt_digests;
+  std::vector<std::uint64_t> prompt_hashes;
   bool valid_for_reuse = true;  ///< False once another sequence reclaimed a released block.
   std::int32_t reused_tokens = 0;
   std::int64_t reused_blocks = 0;
