@@ -6,33 +6,31 @@ namespace kvcache {
 
 EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary)
     : num_primary_(num_primary),
-      prev_(static_cast<std::size_t>(num_primary + num_secondary), kNullBlock),
-      next_(static_cast<std::size_t>(num_primary + num_secondary), kNullBlock),
-      queue_of_(static_cast<std::size_t>(num_primary + num_secondary), -1) {
+      links_(static_cast<std::size_t>(num_primary + num_secondary)) {
   head_.fill(kNullBlock);
   tail_.fill(kNullBlock);
 }
 
 void EvictionPolicy::Push(BlockId b, int priority, bool to_front) {
-  KVC_CHECK(queue_of_[b] < 0, detail::Concat("block ", b, " is already free"));
+  KVC_CHECK(links_[b].queue < 0, detail::Concat("block ", b, " is already free"));
   KVC_CHECK(priority == kScratch || (priority >= kMinPriority && priority <= kMaxPriority),
             "priority out of range");
   const CacheLevel level = LevelOf(b);
   const int slot = priority + 1;
   const int q = QueueIndex(level, slot);
-  queue_of_[b] = static_cast<std::int16_t>(q);
+  links_[b].queue = static_cast<std::int16_t>(q);
   if (head_[q] == kNullBlock) {
-    prev_[b] = next_[b] = kNullBlock;
+    links_[b].prev = links_[b].next = kNullBlock;
     head_[q] = tail_[q] = b;
   } else if (to_front) {
-    prev_[b] = kNullBlock;
-    next_[b] = head_[q];
-    prev_[head_[q]] = b;
+    links_[b].prev = kNullBlock;
+    links_[b].next = head_[q];
+    links_[head_[q]].prev = b;
     head_[q] = b;
   } else {
-    next_[b] = kNullBlock;
-    prev_[b] = tail_[q];
-    next_[tail_[q]] = b;
+    links_[b].next = kNullBlock;
+    links_[b].prev = tail_[q];
+    links_[tail_[q]].next = b;
     tail_[q] = b;
   }
   const int lv = static_cast<int>(level);
@@ -41,20 +39,20 @@ void EvictionPolicy::Push(BlockId b, int priority, bool to_front) {
 }
 
 void EvictionPolicy::Remove(BlockId b) {
-  const int q = queue_of_[b];
+  const int q = links_[b].queue;
   KVC_CHECK(q >= 0, detail::Concat("block ", b, " is not free"));
-  if (prev_[b] != kNullBlock) {
-    next_[prev_[b]] = next_[b];
+  if (links_[b].prev != kNullBlock) {
+    links_[links_[b].prev].next = links_[b].next;
   } else {
-    head_[q] = next_[b];
+    head_[q] = links_[b].next;
   }
-  if (next_[b] != kNullBlock) {
-    prev_[next_[b]] = prev_[b];
+  if (links_[b].next != kNullBlock) {
+    links_[links_[b].next].prev = links_[b].prev;
   } else {
-    tail_[q] = prev_[b];
+    tail_[q] = links_[b].prev;
   }
-  prev_[b] = next_[b] = kNullBlock;
-  queue_of_[b] = -1;
+  links_[b].prev = links_[b].next = kNullBlock;
+  links_[b].queue = -1;
   const int lv = q / kQueuesPerLevel;
   const int slot = q % kQueuesPerLevel;
   if (head_[q] == kNullBlock) occupied_[lv][slot >> 6] &= ~(std::uint64_t{1} << (slot & 63));
@@ -62,8 +60,8 @@ void EvictionPolicy::Remove(BlockId b) {
 }
 
 int EvictionPolicy::QueuedPriority(BlockId b) const {
-  KVC_CHECK(queue_of_[b] >= 0, "block is not free");
-  return queue_of_[b] % kQueuesPerLevel - 1;
+  KVC_CHECK(links_[b].queue >= 0, "block is not free");
+  return links_[b].queue % kQueuesPerLevel - 1;
 }
 
 BlockId EvictionPolicy::Peek(CacheLevel level) const {

@@ -24,13 +24,8 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
       events_(events),
       policy_(num_primary, num_secondary) {
   const auto total = static_cast<std::size_t>(num_primary + num_secondary);
-  ref_count_.assign(total, 0);
-  owner_.assign(total, -1);
-  generation_.assign(total, 0);
-  node_of_.assign(total, kNoNode);
-  priority_.assign(total, static_cast<std::int8_t>(kDefaultPriority));
+  state_.assign(total, BlockState{});
   releasers_.assign(total, {});
-  expiry_ms_.assign(total, 0);
   primary_.assign(pools_.size(), nullptr);
   secondary_.assign(pools_.size(), nullptr);
   try {
@@ -69,7 +64,7 @@ unsigned char* WindowBlockManager::Address(BlockId b, std::size_t pool) const {
 }
 
 int WindowBlockManager::QueuePriority(BlockId b) const {
-  return node_of_[b] != kNoNode ? priority_[b] : EvictionPolicy::kScratch;
+  return state_[b].node != kNoNode ? state_[b].priority : EvictionPolicy::kScratch;
 }
 
 void WindowBlockManager::Requeue(BlockId b) {
@@ -79,11 +74,11 @@ void WindowBlockManager::Requeue(BlockId b) {
 
 void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
                                      std::optional<std::pair<int, int>> priority) {
-  if (events_ == nullptr || node_of_[b] == kNoNode) return;
+  if (events_ == nullptr || state_[b].node == kNoNode) return;
   KVCacheEvent e;
   e.kind = EventKind::kUpdated;
   e.window_size = window_;
-  e.hash = tree_->Hash(node_of_[b]);
+  e.hash = tree_->Hash(state_[b].node);
   e.cache_level = level;
   e.priority = priority;
   events_->Push(std::move(e));
@@ -91,24 +86,27 @@ void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int
 
 BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
                                   std::vector<SeqId>* displaced) {
-  KVC_CHECK(IsPrimary(b) && ref_count_[b] == 0,
+  KVC_CHECK(IsPrimary(b) && state_[b].ref_count == 0,
             detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
   policy_.Remove(b);
-  if (node_of_[b] != kNoNode) {
+  if (state_[b].node != kNoNode) {
     if (offload) {
       EvictCached(b);
     } else {
       Drop(b);
     }
   }
-  displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
-  releasers_[b].clear();
-  ref_count_[b] = 1;
-  owner_[b] = owner;
-  ++generation_[b];
-  priority_[b] = static_cast<std::int8_t>(priority);
-  if (expiry_ms_[b] == 0 && expiry_ms != 0) timed_.push_back(b);
-  expiry_ms_[b] = expiry_ms;
+  if (state_[b].has_releasers) {
+    displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
+    releasers_[b].clear();
+    state_[b].has_releasers = false;
+  }
+  state_[b].ref_count = 1;
+  state_[b].owner = owner;
+  ++state_[b].generation;
+  state_[b].priority = static_cast<std::int8_t>(priority);
+  if (state_[b].expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
+  state_[b].expiry_ms = expiry_ms;
   return b;
 }
 
@@ -121,7 +119,7 @@ BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expi
 
 void WindowBlockManager::EvictCached(BlockId victim) {
   const bool offload = options_.onboard_blocks && num_secondary_ > 0 &&
-                       priority_[victim] >= options_.secondary_offload_min_priority &&
+                       state_[victim].priority >= options_.secondary_offload_min_priority &&
                        policy_.NumFree(CacheLevel::kSecondary) > 0;
   if (!offload) {
     Drop(victim);
@@ -129,8 +127,8 @@ void WindowBlockManager::EvictCached(BlockId victim) {
   }
   const BlockId s = policy_.Peek(CacheLevel::kSecondary);
   policy_.Remove(s);
-  if (node_of_[s] != kNoNode) Drop(s);  // the oldest offloaded content goes; may unlink victim
-  if (node_of_[victim] == kNoNode) {
+  if (state_[s].node != kNoNode) Drop(s);  // the oldest offloaded content goes; may unlink victim
+  if (state_[victim].node == kNoNode) {
     policy_.Push(s, EvictionPolicy::kScratch);
     return;
   }
@@ -141,27 +139,30 @@ void WindowBlockManager::EvictCached(BlockId victim) {
                        bytes, bytes, 1);
     }
   }
-  const NodeId n = node_of_[victim];
+  const NodeId n = state_[victim].node;
   tree_->SetBlock(n, index_, s);
-  node_of_[s] = n;
-  node_of_[victim] = kNoNode;
-  priority_[s] = priority_[victim];
-  if (expiry_ms_[s] == 0 && expiry_ms_[victim] != 0) timed_.push_back(s);
-  expiry_ms_[s] = expiry_ms_[victim];
-  policy_.Push(s, priority_[s]);
+  state_[s].node = n;
+  state_[victim].node = kNoNode;
+  state_[s].priority = state_[victim].priority;
+  if (state_[s].expiry_ms == 0 && state_[victim].expiry_ms != 0) timed_.push_back(s);
+  state_[s].expiry_ms = state_[victim].expiry_ms;
+  policy_.Push(s, state_[s].priority);
   ++offloaded_;
   EmitUpdated(s, std::make_pair(0, 1), std::nullopt);
 }
 
 void WindowBlockManager::Claim(BlockId b) {
-  if (ref_count_[b] == 0) policy_.Remove(b);
-  ++ref_count_[b];
+  if (state_[b].ref_count == 0) policy_.Remove(b);
+  ++state_[b].ref_count;
 }
 
 void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
-  KVC_CHECK(ref_count_[b] > 0, detail::Concat("window ", window_, ": release of free block ", b));
-  if (released_by >= 0) releasers_[b].push_back(released_by);
-  if (--ref_count_[b] == 0) {
+  KVC_CHECK(state_[b].ref_count > 0, detail::Concat("window ", window_, ": release of free block ", b));
+  if (released_by >= 0) {
+    releasers_[b].push_back(released_by);
+    state_[b].has_releasers = true;
+  }
+  if (--state_[b].ref_count == 0) {
     const int q = QueuePriority(b);
     policy_.Push(b, q, to_front && q == EvictionPolicy::kScratch);
   }
@@ -173,11 +174,12 @@ void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {
   KVC_CHECK(it != list.end(), detail::Concat("window ", window_, ": request ", seq, " has no release record of block ", b));
   *it = list.back();
   list.pop_back();
+  state_[b].has_releasers = !list.empty();
 }
 
 BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
                                     std::vector<SeqId>* displaced) {
-  KVC_CHECK(!IsPrimary(s) && ref_count_[s] > 0, "onboard needs a claimed secondary block");
+  KVC_CHECK(!IsPrimary(s) && state_[s].ref_count > 0, "onboard needs a claimed secondary block");
   const BlockId p = Acquire(owner, priority, expiry_ms, displaced);
   if (backend_->HasMemory()) {
     for (std::size_t i = 0; i < pools_.size(); ++i) {
@@ -186,11 +188,11 @@ BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::i
                        bytes, 1);
     }
   }
-  const NodeId n = node_of_[s];
+  const NodeId n = state_[s].node;
   if (n != kNoNode) {
     tree_->SetBlock(n, index_, p);
-    node_of_[p] = n;
-    node_of_[s] = kNoNode;
+    state_[p].node = n;
+    state_[s].node = kNoNode;
     EmitUpdated(p, std::make_pair(1, 0), std::nullopt);
   }
   ++onboarded_;
@@ -212,14 +214,14 @@ void WindowBlockManager::CopyTokens(BlockId dst, BlockId src, std::int32_t num_t
 }
 
 void WindowBlockManager::Link(BlockId b, NodeId node) {
-  KVC_CHECK(node_of_[b] == kNoNode && tree_->Block(node, index_) == kNullBlock, "link of a linked block or slot");
+  KVC_CHECK(state_[b].node == kNoNode && tree_->Block(node, index_) == kNullBlock, "link of a linked block or slot");
   tree_->SetBlock(node, index_, b);
-  node_of_[b] = node;
+  state_[b].node = node;
   if (policy_.Contains(b)) Requeue(b);
 }
 
 void WindowBlockManager::Drop(BlockId b) {
-  const NodeId n = node_of_[b];
+  const NodeId n = state_[b].node;
   KVC_CHECK(n != kNoNode, "drop of an uncached block");
   std::vector<NodeId> nodes = {n};
   if (options_.cascade_on_evict) tree_->ForEachDescendant(n, [&](NodeId m) { nodes.push_back(m); });
@@ -227,7 +229,7 @@ void WindowBlockManager::Drop(BlockId b) {
     const BlockId x = tree_->Block(m, index_);
     if (x == kNullBlock) continue;
     tree_->SetBlock(m, index_, kNullBlock);
-    node_of_[x] = kNoNode;
+    state_[x].node = kNoNode;
     if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
     if (policy_.Contains(x)) Requeue(x);  // now holds nothing reusable: scratch
   }
@@ -237,10 +239,10 @@ void WindowBlockManager::Drop(BlockId b) {
 }
 
 void WindowBlockManager::SetPriority(BlockId b, int priority, std::int64_t expiry_ms) {
-  const int old = priority_[b];
-  priority_[b] = static_cast<std::int8_t>(priority);
-  if (expiry_ms_[b] == 0 && expiry_ms != 0) timed_.push_back(b);
-  expiry_ms_[b] = expiry_ms;
+  const int old = state_[b].priority;
+  state_[b].priority = static_cast<std::int8_t>(priority);
+  if (state_[b].expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
+  state_[b].expiry_ms = expiry_ms;
   if (old == priority) return;
   if (policy_.Contains(b)) Requeue(b);
   EmitUpdated(b, std::nullopt, std::make_pair(old, priority));
@@ -249,9 +251,9 @@ void WindowBlockManager::SetPriority(BlockId b, int priority, std::int64_t expir
 void WindowBlockManager::RefreshPriorities(std::int64_t now_ms) {
   std::vector<BlockId> still;
   for (const BlockId b : timed_) {
-    if (expiry_ms_[b] == 0) continue;
-    if (expiry_ms_[b] <= now_ms) {
-      expiry_ms_[b] = 0;
+    if (state_[b].expiry_ms == 0) continue;
+    if (state_[b].expiry_ms <= now_ms) {
+      state_[b].expiry_ms = 0;
       SetPriority(b, kDefaultPriority, 0);
     } else {
       still.push_back(b);
@@ -261,16 +263,16 @@ void WindowBlockManager::RefreshPriorities(std::int64_t now_ms) {
 }
 
 void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expected_refs) const {
-  const auto total = static_cast<BlockId>(ref_count_.size());
+  const auto total = static_cast<BlockId>(state_.size());
   KVC_CHECK(static_cast<BlockId>(expected_refs.size()) == total, "reference table size");
   std::int32_t free_primary = 0;
   std::int32_t free_secondary = 0;
   for (BlockId b = 0; b < total; ++b) {
-    if (ref_count_[b] != expected_refs[b]) {
-      throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", ref_count_[b], " but ",
+    if (state_[b].ref_count != expected_refs[b]) {
+      throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", state_[b].ref_count, " but ",
                                          expected_refs[b], " references from sequences and pins"));
     }
-    const bool free = ref_count_[b] == 0;
+    const bool free = state_[b].ref_count == 0;
     if (free != policy_.Contains(b)) {
       throw InternalError(detail::Concat("window ", window_, ": block ", b,
                                          free ? " is unreferenced but not in a free queue"
@@ -282,14 +284,14 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
                 detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",
                                policy_.QueuedPriority(b), " instead of ", QueuePriority(b)));
     }
-    if (node_of_[b] != kNoNode) {
-      KVC_CHECK(tree_->Alive(node_of_[b]) && tree_->Block(node_of_[b], index_) == b,
+    if (state_[b].node != kNoNode) {
+      KVC_CHECK(tree_->Alive(state_[b].node) && tree_->Block(state_[b].node, index_) == b,
                 detail::Concat("window ", window_, ": block ", b, " points to a tree node that does not hold it"));
     }
   }
   tree_->ForEachDescendant(ReuseTree::kRoot, [&](NodeId n) {
     const BlockId b = tree_->Block(n, index_);
-    KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && node_of_[b] == n),
+    KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && state_[b].node == n),
               detail::Concat("window ", window_, ": tree node ", n, " holds block ", b, " which does not point back"));
   });
   std::int32_t visited = 0;

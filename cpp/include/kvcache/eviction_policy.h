@@ -29,7 +29,7 @@ class EvictionPolicy {
   /// Removes queued block `b` (it is being claimed).
   void Remove(BlockId b);
   /// True if `b` is queued (free).
-  bool Contains(BlockId b) const { return queue_of_[b] >= 0; }
+  bool Contains(BlockId b) const { return links_[b].queue >= 0; }
   /// Priority `b` is queued at (kScratch or 0..100); `b` must be queued.
   int QueuedPriority(BlockId b) const;
   /// The block to hand out next at `level` (lowest priority, oldest), or kNullBlock if none.
@@ -40,7 +40,7 @@ class EvictionPolicy {
   template <typename F>
   void ForEach(CacheLevel level, F&& visit) const {
     for (int q = 0; q < kQueuesPerLevel; ++q) {
-      for (BlockId b = head_[QueueIndex(level, q)]; b != kNullBlock; b = next_[b]) visit(b);
+      for (BlockId b = head_[QueueIndex(level, q)]; b != kNullBlock; b = links_[b].next) visit(b);
     }
   }
   CacheLevel LevelOf(BlockId b) const {
@@ -54,9 +54,12 @@ class EvictionPolicy {
   }
 
   std::int32_t num_primary_;
-  std::vector<BlockId> prev_;
-  std::vector<BlockId> next_;
-  std::vector<std::int16_t> queue_of_;  // queue index, or -1 when not queued
+  struct Link {  // one per block: its neighbours and queue, together in memory
+    BlockId prev = kNullBlock;
+    BlockId next = kNullBlock;
+    std::int16_t queue = -1;  // queue index, or -1 when not queued
+  };
+  std::vector<Link> links_;
   std::array<BlockId, 2 * kQueuesPerLevel> head_;
   std::array<BlockId, 2 * kQueuesPerLevel> tail_;
   std::array<std::array<std::uint64_t, 2>, 2> occupied_{};  // per level, bit per queue slot

@@ -73,11 +73,11 @@ class WindowBlockManager {
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
   std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
-  std::int32_t RefCount(BlockId b) const { return ref_count_[b]; }
-  SeqId Owner(BlockId b) const { return owner_[b]; }
-  std::uint32_t Generation(BlockId b) const { return generation_[b]; }
-  NodeId NodeOf(BlockId b) const { return node_of_[b]; }
-  int Priority(BlockId b) const { return priority_[b]; }
+  std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
+  SeqId Owner(BlockId b) const { return state_[b].owner; }
+  std::uint32_t Generation(BlockId b) const { return state_[b].generation; }
+  NodeId NodeOf(BlockId b) const { return state_[b].node; }
+  int Priority(BlockId b) const { return state_[b].priority; }
   const EvictionPolicy& policy() const { return policy_; }
 
   /// The one way a block becomes writable by a sequence: takes free block `b` out of the free
@@ -142,13 +142,18 @@ class WindowBlockManager {
   std::vector<void*> primary_;
   std::vector<void*> secondary_;
   std::size_t allocated_bytes_ = 0;
-  std::vector<std::int32_t> ref_count_;
-  std::vector<SeqId> owner_;
-  std::vector<std::uint32_t> generation_;
-  std::vector<NodeId> node_of_;
-  std::vector<std::int8_t> priority_;
+  // Per-block state, one struct per block, so a hand-out or a release touches one cache line.
+  struct BlockState {
+    std::int32_t ref_count = 0;
+    std::uint32_t generation = 0;
+    NodeId node = kNoNode;  // the tree node whose content the block caches
+    std::int8_t priority = static_cast<std::int8_t>(kDefaultPriority);
+    bool has_releasers = false;  // releasers_[b] is not empty
+    SeqId owner = -1;
+    std::int64_t expiry_ms = 0;
+  };
+  std::vector<BlockState> state_;
   std::vector<std::vector<SeqId>> releasers_;  // live sequences holding a record of the content
-  std::vector<std::int64_t> expiry_ms_;
   std::vector<BlockId> timed_;  // blocks with an expiry
   std::int64_t offloaded_ = 0;
   std::int64_t onboarded_ = 0;
