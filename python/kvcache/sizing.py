@@ -274,15 +274,17 @@ def auto_demand_tokens(
     max_batch_size: int,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> dict[int, int]:
-    """Tokens of live blocks each window holds at most with ``max_batch_size`` sequences
-    running under chunked prefill; the demand that the ``"auto"`` policy sizes for.
+    """Tokens of live blocks each window needs with ``max_batch_size`` sequences running
+    under chunked prefill; the demand that the ``"auto"`` policy sizes for.
 
     ``demand[w] = min(n * (w + tokens_per_block) + B, n * L)`` with ``n = max_batch_size``,
     ``B = max_num_batched_tokens`` and ``L = seq_len``. A decoding sequence keeps
     ``ceil(w / tpb) + 1`` blocks of a sliding window (``w + tpb`` tokens for a block-aligned
     window); a sequence in prefill keeps its last chunk on top of that, and the chunks of one
     step add up to at most ``B`` tokens. No window holds more than the whole sequence, ``L``
-    tokens each: that is the demand of full attention (``w >= L``).
+    tokens each: that is the demand of full attention (``w >= L``). For sliding windows this
+    is an upper bound; for full attention an estimate (sequences of the typical length ``L``;
+    long ones running together can exceed it, shared prefixes lower it).
 
     Args:
         windows: The windows, ascending.
