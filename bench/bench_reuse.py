@@ -1,41 +1,64 @@
 """Block reuse: prefix lookups and a shared-system-prompt replay (virtual backend).
 
 Prints tables of medians and totals; never asserts; seeded. Run:
-``python bench/bench_reuse.py`` (``--quick`` for a smaller replay).
+``python bench/bench_reuse.py`` (``--quick``: 400 requests, well under a minute).
 
 (a) ``get_reusable_prefix_length`` for 4k- and 32k-token prompts (numpy token arrays), a hit
     (the whole stored prompt) and a miss (the first token differs): median µs per call.
 
-(b) The replay of issue 4/5: 2,000 requests; half start with one of 20 system prompts of
+(b) The replay of issues 4/5/9: 2,000 requests; half start with one of 20 system prompts of
     1,024 tokens (chosen uniformly), the rest are unrelated; prompts 1,000-4,000 tokens,
     128-512 generated tokens; all queued at step 0 and served first come, first served
-    with at most 128 running; a full-attention window and a 512-token sliding window,
-    32-token blocks, 20,000 primary blocks in total.
+    with at most 128 running; a full-attention window and a 512-token sliding window (equal
+    bytes per token), 32-token blocks, 20,000 primary blocks in total.
 
-    The 20,000 blocks are split two ways (both printed): ``equal``, 10,000 per window; and
-    like the ``"auto"`` share policy with equal bytes per token in both windows, in
-    proportion to what one sequence of the workload's mean length L keeps live, ``L`` for
-    full attention and ``min(512 + 32, L)`` for the sliding window. ``auto`` starves the
-    sliding window of room for cached blocks (every prompt is registered whole in it), so
-    its cached system-prompt blocks are evicted and the hit rate drops.
+    Two engines drive ``KVCacheManager`` directly (not the resource manager and scheduler),
+    so that the timings are the manager's own:
 
-    The replay drives ``KVCacheManager`` directly, not the resource manager and scheduler,
-    so that the timings are the manager's own: each step admits queued requests while
-    ``get_num_blocks_to_allocate`` says every window has the blocks (then ``add_sequence``
-    and ``store_context_blocks``, early reuse), appends one token to every running
-    sequence with one ``add_tokens`` call, removes finished sequences (stored for reuse)
-    and calls ``refresh_blocks``. If ``add_tokens`` runs out of blocks, the newest running
-    request is removed (its blocks stored) and queued again at the front with its
-    generated tokens, like the ``max_utilization`` scheduler.
+    * ``whole``: today's replay. Each step admits queued requests while
+      ``get_num_blocks_to_allocate`` says every window has the blocks for the whole prompt
+      (``add_sequence``, then ``store_context_blocks``: early reuse), appends one token to
+      every running sequence with one ``add_tokens`` call, removes finished sequences (stored
+      for reuse) and calls ``refresh_blocks``. No token budget.
+    * ``chunk N`` (chunked prefill, engine-style): each step has a budget of
+      ``max_num_batched_tokens`` (8,192) tokens. Decodes of running requests whose prompt is
+      complete come first (one token each, one ``add_tokens`` call); then prefill chunks,
+      first come first served: continuing prefills (``prefill``), then new admissions
+      (``add_sequence(..., prefill=k)`` after ``get_num_blocks_to_allocate(..., prefill=k)``
+      said it fits), each chunk taking ``min(N, prompt tokens left, budget left)``.
+      ``store_context_blocks`` follows every chunk that ran; a request whose prompt is
+      complete produces its first token and decodes from the next step on.
 
-    Reported: manager seconds (wall time inside manager calls only), the decode cost (ns per
-    sequence per ``add_tokens`` step, Python call included), the hit rate (reused / (reused
-    + missed) blocks, per window and overall, from ``get_kv_cache_stats``) and preemptions,
-    under ``swa_reuse_policy="invalidate"`` and ``"placeholder"``. The best possible hit
-    rate is computed from the generated workload, counting blocks the way the manager does
-    (reused = prompt block positions whose KV is found, missed = the other prompt block
-    positions, the same in every window): every request whose system prompt appeared in an
-    earlier request reuses its 32 system-prompt blocks, nothing else is ever reused.
+    Both: when ``add_tokens`` or ``prefill`` runs out of blocks, the newest running request
+    is removed (its blocks stored for reuse) and queued again at the front with its
+    generated tokens, which it then prefills as part of its prompt. An admission attempt
+    that does not fit ends the step's admissions and counts as a *deferred admission*.
+
+    Splits of the 20,000 blocks (512 / full): ``equal``; ``auto-old``, the ``"auto"`` share
+    policy before issue 9 (in proportion to ``min(512 + 32, L)`` : ``L`` with ``L`` the mean
+    sequence length); ``auto``, :func:`kvcache.sizing.blocks_per_window` with the ``"auto"``
+    policy sized from demand (``max_batch_size`` 128, ``max_num_batched_tokens``, ``L``).
+
+    Reported: manager seconds (wall time inside manager calls only, summed over the
+    replay), the decode cost (median over steps of ns per sequence of the ``add_tokens``
+    call, Python call included), steps, preemptions, deferred admissions, the hit rate
+    (reused / (reused + missed) blocks overall, from ``get_kv_cache_stats``), the hit rate
+    of first admissions only (``hit 1st``, from ``get_request_stats`` right after each
+    request's first ``add_sequence``) and reused tokens, under
+    ``swa_reuse_policy="invalidate"`` and ``"placeholder"``. The best possible hit rate is
+    computed from the generated workload, counting blocks the way the manager does (reused =
+    prompt block positions whose KV is found, missed = the other prompt block positions, the
+    same in every window): every request whose system prompt appeared in an earlier request
+    reuses its 32 system-prompt blocks, nothing else is ever reused. Re-admissions after a
+    preemption count again in the overall hit rate (they reuse their own stored blocks), so a
+    run with preemptions can exceed the "best"; ``hit 1st`` is the comparable figure.
+
+``--sweep`` instead replays chunked prefill (placeholder policy) with the sliding window
+given 1,000 to 10,000 of the 20,000 blocks (the full window the rest), then with one window
+ample (40,000 blocks) and the other limited, and prints the peak of referenced blocks per
+window as well: the measurement behind the demand sizing of the ``"auto"`` policy (see
+bench/README.md). ``--chunks`` picks the prefill modes (``whole`` and chunk caps),
+``--max-num-batched-tokens`` the step budget.
 """
 
 from __future__ import annotations
@@ -43,33 +66,47 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, OutOfBlocksError
+from kvcache.sizing import blocks_per_window, bytes_per_token
 
 TPB = 32
 SWA = 512
 VOCAB = 32000
+TOTAL_BLOCKS = 20_000
+MAX_BATCH = 128
+SPLITS = ("equal", "auto-old", "auto")
+POLICIES = ("invalidate", "placeholder")
+
+T = TypeVar("T")
 
 
 def _model() -> ModelConfig:
     return ModelConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
-def _manager(
-    blocks: dict[int, int], max_seq_len: int, policy: str, max_batch: int
-) -> KVCacheManager:
-    config = KvCacheConfig(
+def _config(policy: str = "placeholder", **extra: object) -> KvCacheConfig:
+    return KvCacheConfig(
         tokens_per_block=TPB,
         max_attention_window=[SWA, None],
         backend="virtual",
         enable_block_reuse=True,
         swa_reuse_policy=policy,
+        **extra,  # type: ignore[arg-type]
     )
+
+
+def _manager(
+    blocks: dict[int, int], max_seq_len: int, policy: str, max_batch: int
+) -> KVCacheManager:
     return KVCacheManager.from_blocks(
-        _model(), config, blocks, max_seq_len=max_seq_len, max_batch_size=max_batch
+        _model(), _config(policy), blocks, max_seq_len=max_seq_len, max_batch_size=max_batch
     )
 
 
@@ -99,7 +136,7 @@ def bench_lookups(repeats: int) -> list[tuple[str, float]]:
     return rows
 
 
-# ----------------------------------------------------------------------------- (b) replay
+# ----------------------------------------------------------------------------- (b) workload
 
 
 @dataclass
@@ -109,6 +146,14 @@ class Req:
     max_new: int
     system: int  # index of its system prompt, -1 for none
     generated: list[int] = field(default_factory=list)
+    admissions: int = 0
+
+    def tokens(self) -> np.ndarray:
+        """What an admission registers: the prompt, plus the tokens generated before a
+        preemption."""
+        if not self.generated:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.generated, dtype=np.int32)])
 
 
 def make_workload(num_requests: int, seed: int) -> list[Req]:
@@ -144,150 +189,402 @@ def best_hit_rate(reqs: list[Req]) -> tuple[int, int]:
     return reused, total - reused
 
 
-def split_blocks(reqs: list[Req], total: int, max_seq_len: int, how: str) -> dict[int, int]:
+def mean_seq_len(reqs: list[Req]) -> int:
+    """Mean prompt plus generated length (the last generated token is never stored)."""
+    return round(sum(len(r.prompt) + r.max_new - 1 for r in reqs) / len(reqs))
+
+
+def split_blocks(
+    reqs: list[Req], max_seq_len: int, how: str, batched_tokens: int
+) -> dict[int, int]:
+    """The 20,000 blocks per window: ``equal``, ``auto-old`` or ``auto``."""
+    total = TOTAL_BLOCKS
     if how == "equal":
         return {SWA: total // 2, max_seq_len: total - total // 2}
-    mean_len = round(sum(len(r.prompt) + r.max_new - 1 for r in reqs) / len(reqs))
-    full_share = mean_len / (mean_len + min(SWA + TPB, mean_len))
-    full = int(total * full_share)
-    return {SWA: total - full, max_seq_len: full}
+    length = mean_seq_len(reqs)
+    if how == "auto-old":
+        full = int(total * length / (length + min(SWA + TPB, length)))
+        return {SWA: total - full, max_seq_len: full}
+    config = _config(window_size_shares="auto", max_num_batched_tokens=batched_tokens)
+    block_bytes = bytes_per_token(_model(), config, max_seq_len)[SWA] * TPB  # equal in both
+    out = blocks_per_window(
+        _model(),
+        config,
+        max_seq_len,
+        total * block_bytes,
+        expected_seq_len=length,
+        max_batch_size=MAX_BATCH,
+    )
+    return {w: primary for w, (primary, _) in out.items()}
+
+
+# ----------------------------------------------------------------------------- (b) replays
 
 
 @dataclass
 class ReplayResult:
-    manager_s: float
-    decode_ns: float
-    steps: int
-    preemptions: int
-    hit_rate: float
-    hit_rate_per_window: dict[int, float]
-    reused_tokens: int
-    wall_s: float
+    manager_s: float = 0.0
+    decode_ns_per_seq: list[float] = field(default_factory=list)  # one per add_tokens step
+    steps: int = 0
+    preemptions: int = 0
+    deferred: int = 0
+    reused_tokens: int = 0
+    hit_rate: float = 0.0
+    first_reused: int = 0  # blocks (summed over windows) reused by first admissions
+    first_missed: int = 0
+    peak_live: dict[int, int] = field(default_factory=dict)  # most referenced blocks
+    wall_s: float = 0.0
+
+    @property
+    def first_hit_rate(self) -> float:
+        """The hit rate of first admissions only (re-admissions after a preemption reuse
+        their own blocks): comparable with the best possible."""
+        return self.first_reused / max(self.first_reused + self.first_missed, 1)
+
+    @property
+    def decode_ns(self) -> float:
+        """Median over decode steps of the ``add_tokens`` time per sequence."""
+        return statistics.median(self.decode_ns_per_seq) if self.decode_ns_per_seq else 0.0
+
+    def add_decode(self, seconds: float, batch: int) -> None:
+        """Records one successful ``add_tokens`` call of ``batch`` sequences."""
+        self.decode_ns_per_seq.append(seconds / batch * 1e9)
 
 
-def replay(reqs: list[Req], blocks: dict[int, int], max_seq_len: int, policy: str) -> ReplayResult:
-    m = _manager(blocks, max_seq_len, policy, 128)
-    windows = sorted(blocks)
-    queue = list(reqs)[::-1]  # pop() from the end = first come
+class _Timed:
+    """Calls into the manager, adding their wall time to ``result.manager_s``."""
+
+    def __init__(self, manager: KVCacheManager, result: ReplayResult) -> None:
+        self.m = manager
+        self.res = result
+
+    def __call__(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.res.manager_s += time.perf_counter() - t0
+
+    def admit(self, r: Req, tokens: np.ndarray, prefill: int | None) -> int:
+        """``add_sequence``; counts the reuse of a first admission (outside the timing)."""
+        reused: int = self(self.m.add_sequence, r.rid, tokens, prefill=prefill)
+        self.res.reused_tokens += reused
+        r.admissions += 1
+        if r.admissions == 1:
+            stats = self.m.get_request_stats(r.rid)
+            self.res.first_reused += stats["reused_blocks"]
+            self.res.first_missed += stats["missed_blocks"]
+        return reused
+
+    def end_step(self) -> None:
+        """``refresh_blocks``, then the referenced blocks per window (not timed)."""
+        self(self.m.refresh_blocks)
+        for w, (primary, _) in self.m.blocks_per_window.items():
+            live = primary - self.m.get_num_free_blocks(w)
+            self.res.peak_live[w] = max(self.res.peak_live.get(w, 0), live)
+        self.res.steps += 1
+
+    def fits(self, tokens: np.ndarray, prefill: int | None) -> bool:
+        """Whether ``add_sequence(tokens, prefill=prefill)`` finds the blocks now."""
+        need = self(self.m.get_num_blocks_to_allocate, tokens, prefill=prefill)
+        return all(n <= self(self.m.get_num_free_blocks, w) for w, n in need.items())
+
+
+def _finish(m: KVCacheManager, res: ReplayResult, wall0: float) -> ReplayResult:
+    res.wall_s = time.perf_counter() - wall0
+    m.check_invariants()
+    res.hit_rate = m.get_kv_cache_stats().cache_hit_rate
+    return res
+
+
+def replay_whole(
+    reqs: list[Req], blocks: dict[int, int], max_seq_len: int, policy: str
+) -> ReplayResult:
+    """Today's replay: whole prompts at admission, no token budget (see the module doc)."""
+    m = _manager(blocks, max_seq_len, policy, MAX_BATCH)
+    res = ReplayResult()
+    call = _Timed(m, res)
+    queue = deque(reqs)
     running: list[Req] = []
-    tokens_rng = np.random.default_rng(99)
-    mgr = 0.0
-    decode_time = 0.0
-    decode_entries = 0
-    steps = preemptions = reused_tokens = 0
+    rng = np.random.default_rng(99)
     wall0 = time.perf_counter()
-    pc = time.perf_counter
     while queue or running:
-        # admit, first come first served
-        while queue and len(running) < 128:
-            r = queue[-1]
-            tokens = r.prompt if not r.generated else np.concatenate([r.prompt, r.generated])
-            t0 = pc()
-            need = m.get_num_blocks_to_allocate(tokens)
-            ok = all(need[w] <= m.get_num_free_blocks(w) for w in windows)
-            if ok:
-                reused_tokens += m.add_sequence(r.rid, tokens)
-                m.store_context_blocks(r.rid)
-            mgr += pc() - t0
-            if not ok:
+        while queue and len(running) < MAX_BATCH:  # admit, first come first served
+            r = queue[0]
+            tokens = r.tokens()
+            if not call.fits(tokens, None):
+                res.deferred += 1
                 break
-            queue.pop()
-            r.generated.append(int(tokens_rng.integers(0, VOCAB)))  # the context step's token
+            call.admit(r, tokens, None)
+            call(m.store_context_blocks, r.rid)
+            queue.popleft()
+            r.generated.append(int(rng.integers(0, VOCAB)))  # the context step's token
             running.append(r)
-        # decode: the newest token of every running request that already has one cached
         batch = [r for r in running if len(r.generated) < r.max_new]
         while batch:
-            ids = [r.rid for r in batch]
-            toks = [r.generated[-1] for r in batch]
-            t0 = pc()
+            ids, toks = [r.rid for r in batch], [r.generated[-1] for r in batch]
+            t0 = time.perf_counter()
             try:
-                m.add_tokens(ids, toks)
+                call(m.add_tokens, ids, toks)
             except OutOfBlocksError:
                 victim = running.pop()  # the newest
-                m.remove_sequence(victim.rid)
-                mgr += pc() - t0
-                preemptions += 1
-                queue.append(victim)
+                call(m.remove_sequence, victim.rid)
+                res.preemptions += 1
+                queue.appendleft(victim)
                 batch = [r for r in batch if r is not victim]
                 continue
-            dt = pc() - t0
-            mgr += dt
-            decode_time += dt
-            decode_entries += len(batch)
+            res.add_decode(time.perf_counter() - t0, len(batch))
             break
         for r in batch:
-            r.generated.append(int(tokens_rng.integers(0, VOCAB)))
-        t0 = pc()
+            r.generated.append(int(rng.integers(0, VOCAB)))
+        for r in [r for r in running if len(r.generated) >= r.max_new]:
+            call(m.remove_sequence, r.rid)
+            running.remove(r)
+        call.end_step()
+    return _finish(m, res, wall0)
+
+
+@dataclass(eq=False)
+class _Active:
+    """An admitted request in the chunked engine."""
+
+    req: Req
+    left: int  # prompt tokens still to prefill
+    alive: bool = True
+
+
+class ChunkedReplay:
+    """The engine-style replay with chunked prefill (see the module doc)."""
+
+    def __init__(
+        self,
+        reqs: list[Req],
+        blocks: dict[int, int],
+        max_seq_len: int,
+        policy: str,
+        chunk: int,
+        batched_tokens: int,
+    ) -> None:
+        self.m = _manager(blocks, max_seq_len, policy, MAX_BATCH)
+        self.res = ReplayResult()
+        self.call = _Timed(self.m, self.res)
+        self.chunk = chunk
+        self.batched_tokens = batched_tokens
+        self.queue = deque(reqs)
+        self.running: list[_Active] = []
+        self.rng = np.random.default_rng(99)
+
+    def run(self) -> ReplayResult:
+        """Steps until every request finished."""
+        wall0 = time.perf_counter()
+        while self.queue or self.running:
+            self.step()
+        return _finish(self.m, self.res, wall0)
+
+    def step(self) -> None:
+        """Schedules decodes and chunks within the token budget, then 'runs' them."""
+        decodes = [a for a in self.running if a.left == 0]
+        budget = self.batched_tokens - len(decodes)
+        self._decode(decodes)
+        chunks: list[_Active] = []
+        for a in [a for a in self.running if a.left > 0]:
+            k = min(self.chunk, a.left, budget)
+            if k == 0:
+                break
+            if a.alive and self._prefill(a, k):
+                budget -= k
+                chunks.append(a)
+        self._admit(budget, chunks)
+        for a in chunks:
+            if a.alive:
+                self.call(self.m.store_context_blocks, a.req.rid)
+        self._complete(decodes, chunks)
+        self.call.end_step()
+
+    def _preempt_newest(self) -> _Active:
+        victim = self.running.pop()
+        victim.alive = False
+        self.call(self.m.remove_sequence, victim.req.rid)
+        self.res.preemptions += 1
+        self.queue.appendleft(victim.req)
+        return victim
+
+    def _decode(self, decodes: list[_Active]) -> None:
+        batch = decodes
+        while batch:
+            ids, toks = [a.req.rid for a in batch], [a.req.generated[-1] for a in batch]
+            t0 = time.perf_counter()
+            try:
+                self.call(self.m.add_tokens, ids, toks)
+            except OutOfBlocksError:
+                self._preempt_newest()
+                batch = [a for a in batch if a.alive]
+                continue
+            self.res.add_decode(time.perf_counter() - t0, len(batch))
+            return
+
+    def _prefill(self, a: _Active, k: int) -> bool:
+        while a.alive:
+            try:
+                self.call(self.m.prefill, a.req.rid, k)
+            except OutOfBlocksError:
+                self._preempt_newest()
+                continue
+            a.left -= k
+            return True
+        return False
+
+    def _admit(self, budget: int, chunks: list[_Active]) -> None:
+        while self.queue and len(self.running) < MAX_BATCH and budget > 0:
+            r = self.queue[0]
+            tokens = r.tokens()
+            k = min(self.chunk, budget)
+            if not self.call.fits(tokens, k):
+                self.res.deferred += 1
+                return
+            reused = self.call.admit(r, tokens, k)
+            done = min(k, len(tokens) - reused)
+            budget -= done
+            self.queue.popleft()
+            a = _Active(r, len(tokens) - reused - done)
+            self.running.append(a)
+            chunks.append(a)
+
+    def _complete(self, decodes: list[_Active], chunks: list[_Active]) -> None:
+        """The step's forward pass: new tokens, then finished requests leave."""
+        for a in decodes + [a for a in chunks if a.left == 0]:
+            if a.alive:
+                a.req.generated.append(int(self.rng.integers(0, VOCAB)))
         still = []
-        for r in running:
-            if len(r.generated) >= r.max_new:
-                m.remove_sequence(r.rid)
+        for a in self.running:
+            if len(a.req.generated) >= a.req.max_new:
+                self.call(self.m.remove_sequence, a.req.rid)
             else:
-                still.append(r)
-        m.refresh_blocks()
-        mgr += pc() - t0
-        running = still
-        steps += 1
-    wall = pc() - wall0
-    m.check_invariants()
-    stats = m.get_kv_cache_stats()
-    return ReplayResult(
-        manager_s=mgr,
-        decode_ns=decode_time / max(decode_entries, 1) * 1e9,
-        steps=steps,
-        preemptions=preemptions,
-        hit_rate=stats.cache_hit_rate,
-        hit_rate_per_window=dict(stats.cache_hit_rate_per_window_size),
-        reused_tokens=reused_tokens,
-        wall_s=wall,
+                still.append(a)
+        self.running = still
+
+
+def run_replay(
+    reqs: list[Req],
+    blocks: dict[int, int],
+    max_seq_len: int,
+    policy: str,
+    chunk: int | None,
+    batched_tokens: int,
+) -> ReplayResult:
+    """One replay from a fresh state: whole prompts (``chunk=None``) or chunked prefill."""
+    for r in reqs:
+        r.generated = []
+        r.admissions = 0
+    if chunk is None:
+        return replay_whole(reqs, blocks, max_seq_len, policy)
+    return ChunkedReplay(reqs, blocks, max_seq_len, policy, chunk, batched_tokens).run()
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _print_replays(
+    reqs: list[Req], max_seq_len: int, chunks: list[int | None], batched_tokens: int
+) -> None:
+    print(
+        f"  {'prefill':<11}{'split (512 / full)':<22}{'swa_reuse_policy':<18}{'manager s':>10}"
+        f"{'decode ns/seq':>15}{'steps':>8}{'preempt':>9}{'deferred':>10}{'hit rate':>10}"
+        f"{'hit 1st':>9}{'reused tokens':>15}"
     )
+    for chunk in chunks:
+        label = "whole" if chunk is None else f"chunk {chunk}"
+        for how in SPLITS:
+            blocks = split_blocks(reqs, max_seq_len, how, batched_tokens)
+            split = f"{how} {blocks[SWA]:,}/{blocks[max_seq_len]:,}"
+            for policy in POLICIES:
+                res = run_replay(reqs, blocks, max_seq_len, policy, chunk, batched_tokens)
+                print(
+                    f"  {label:<11}{split:<22}{policy:<18}{res.manager_s:>10.2f}"
+                    f"{res.decode_ns:>15.1f}{res.steps:>8,}{res.preemptions:>9,}"
+                    f"{res.deferred:>10,}{res.hit_rate:>10.1%}{res.first_hit_rate:>9.1%}"
+                    f"{res.reused_tokens:>15,}"
+                )
+
+
+def _sweep_splits() -> list[tuple[int, int]]:
+    """(512, full) blocks: the 20,000 split every 500 blocks, then each window alone
+    limited (the other one ample, 40,000 blocks) to see which window limits what."""
+    splits = [(swa, TOTAL_BLOCKS - swa) for swa in range(1000, 10001, 500)]
+    ample = 40_000
+    splits += [(swa, ample) for swa in (6000, 9000, 12000)]
+    splits += [(ample, full) for full in (10500, 11000, 14000)]
+    return splits
+
+
+def _print_sweep(
+    reqs: list[Req], max_seq_len: int, chunks: list[int | None], batched_tokens: int
+) -> None:
+    print(
+        f"  {'prefill':<11}{'512 / full':<16}{'preempt':>9}{'deferred':>10}{'hit rate':>10}"
+        f"{'hit 1st':>9}{'peak live 512 / full':>22}"
+    )
+    for chunk in chunks:
+        label = "whole" if chunk is None else f"chunk {chunk}"
+        for swa, full in _sweep_splits():
+            blocks = {SWA: swa, max_seq_len: full}
+            res = run_replay(reqs, blocks, max_seq_len, "placeholder", chunk, batched_tokens)
+            peak = f"{res.peak_live[SWA]:,} / {res.peak_live[max_seq_len]:,}"
+            print(
+                f"  {label:<11}{f'{swa:,}/{full:,}':<16}{res.preemptions:>9,}"
+                f"{res.deferred:>10,}{res.hit_rate:>10.1%}{res.first_hit_rate:>9.1%}{peak:>22}"
+            )
+
+
+def _chunk_list(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        out.append(None if part == "whole" else int(part))
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="400 requests, fewer repeats")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chunks",
+        type=_chunk_list,
+        default=[None, 512, 2048],
+        help="prefill modes to replay: 'whole' and chunk caps (default whole,512,2048)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget per step"
+    )
+    parser.add_argument("--sweep", action="store_true", help="sweep the split instead of the table")
     args = parser.parse_args()
     num_requests = 400 if args.quick else 2000
     repeats = 50 if args.quick else 300
+    budget = args.max_num_batched_tokens
+
+    reqs = make_workload(num_requests, args.seed)
+    max_seq_len = max(len(r.prompt) + r.max_new for r in reqs)
+    title = (
+        f"(b) replay: {num_requests:,} requests, half behind one of 20 system prompts of 1,024 "
+        f"tokens, at most {MAX_BATCH} running, windows {SWA} and full ({max_seq_len:,}), "
+        f"{TOTAL_BLOCKS:,} blocks, max_num_batched_tokens {budget:,}, mean length "
+        f"{mean_seq_len(reqs):,}"
+    )
+    if args.sweep:
+        print(title)
+        _print_sweep(reqs, max_seq_len, args.chunks, budget)
+        return
 
     print("(a) get_reusable_prefix_length, windows {512, full}, 32-token blocks")
     print(f"  {'lookup':<28}{'median':>12}")
     for label, us in bench_lookups(repeats):
         print(f"  {label:<28}{us:>9.1f} µs")
-
-    reqs = make_workload(num_requests, args.seed)
-    max_seq_len = max(len(r.prompt) + r.max_new for r in reqs)
-    reused, missed = best_hit_rate(reqs)
     print()
-    print(
-        f"(b) replay: {num_requests:,} requests, half behind one of 20 system prompts of 1,024 "
-        f"tokens, at most 128 running, windows {SWA} and full ({max_seq_len:,}), 20,000 blocks"
-    )
-    print(
-        f"  {'split (512 / full)':<22}{'swa_reuse_policy':<18}{'manager s':>10}"
-        f"{'decode ns/seq':>15}{'steps':>8}{'preempt':>9}{'hit rate':>10}{'window 512':>12}"
-        f"{'full':>8}{'reused tokens':>15}"
-    )
-    for how in ("equal", "auto"):
-        blocks = split_blocks(reqs, 20_000, max_seq_len, how)
-        split = f"{how} {blocks[SWA]:,}/{blocks[max_seq_len]:,}"
-        for policy in ("invalidate", "placeholder"):
-            for r in reqs:
-                r.generated = []
-            res = replay(reqs, blocks, max_seq_len, policy)
-            per = res.hit_rate_per_window
-            print(
-                f"  {split:<22}{policy:<18}{res.manager_s:>10.2f}{res.decode_ns:>15.1f}"
-                f"{res.steps:>8,}{res.preemptions:>9,}{res.hit_rate:>10.1%}"
-                f"{per.get(SWA, 0.0):>12.1%}{per.get(max_seq_len, 0.0):>8.1%}"
-                f"{res.reused_tokens:>15,}"
-            )
-    best = reused / (reused + missed)
-    print(
-        f"  {'any':<22}{'best possible':<18}{'':>10}{'':>15}{'':>8}{'':>9}{best:>10.1%}"
-        f"{best:>12.1%}{best:>8.1%}{reused * TPB:>15,}"
-    )
+    print(title)
+    _print_replays(reqs, max_seq_len, args.chunks, budget)
+    reused, missed = best_hit_rate(reqs)
+    print(f"  best possible hit rate {reused / (reused + missed):.1%}, {reused * TPB:,} tokens")
 
 
 if __name__ == "__main__":

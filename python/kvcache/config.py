@@ -27,6 +27,7 @@ from typing import Any, TypeGuard
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DTYPE_BYTES",
     "SHARE_POLICIES",
     "SWA_REUSE_POLICIES",
@@ -51,6 +52,9 @@ SWA_REUSE_POLICIES: tuple[str, ...] = ("invalidate", "placeholder")
 
 #: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
 SHARE_POLICIES: tuple[str, ...] = ("equal", "proportional", "auto")
+
+#: Default token budget of one engine step (``KvCacheConfig.max_num_batched_tokens``): vLLM's.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 _MIN_PRIORITY = 0
 _MAX_PRIORITY = 100
@@ -340,6 +344,9 @@ class KvCacheConfig:
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.
+        max_num_batched_tokens: Tokens one engine step processes at most (decodes plus
+            prefill chunks, > 0; default 8192). The ``"auto"`` share policy counts them as
+            the prefill chunks a sliding window holds on top of its window.
         backend: ``"auto"``, ``"cuda"``, ``"host"`` or ``"virtual"``.
 
     Raises:
@@ -369,6 +376,7 @@ class KvCacheConfig:
     swa_reuse_policy: str = "placeholder"
     backend: str = "auto"
     expected_seq_len: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
@@ -377,6 +385,7 @@ class KvCacheConfig:
         )
         _optional_positive_int("max_tokens", self.max_tokens)
         _optional_positive_int("expected_seq_len", self.expected_seq_len)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         frac = self.free_gpu_memory_fraction
         if (
             isinstance(frac, bool)

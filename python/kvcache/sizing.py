@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 from kvcache.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
     KvCacheConfig,
     ModelConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_BLOCKS_PER_WINDOW",
     "SHARES_ENV_VAR",
     "TRTLLM_SHARES_ENV_VAR",
+    "auto_demand_tokens",
     "blocks_per_window",
     "bytes_per_token",
     "format_size",
@@ -210,6 +212,9 @@ def _share_fractions(
     max_seq_len: int | None,
     expected_seq_len: int | None,
     tokens_per_block: int,
+    max_batch_size: int | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    primary_bytes: int | None = None,
 ) -> dict[int, Fraction]:
     """Exact shares per window (ascending); see :func:`window_size_shares`."""
     windows = sorted(bpt)
@@ -239,7 +244,17 @@ def _share_fractions(
             )
         _positive("expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len)
         tpb = _positive("tokens_per_block", tokens_per_block)
-        weights = [Fraction(min(w + tpb, seq_len) * bpt[w]) for w in windows]
+        if max_batch_size is None:
+            weights = [Fraction(min(w + tpb, seq_len) * bpt[w]) for w in windows]
+        else:
+            demand = auto_demand_tokens(
+                windows,
+                seq_len,
+                tokens_per_block=tpb,
+                max_batch_size=max_batch_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+            weights = _auto_weights(bpt, demand, max_batch_size * seq_len, primary_bytes)
     else:
         raise ValueError(
             f"{source}: unknown share policy {policy!r}; expected one of "
@@ -251,6 +266,74 @@ def _share_fractions(
     return {w: x / total for w, x in zip(windows, weights, strict=True)}
 
 
+def auto_demand_tokens(
+    windows: Sequence[int],
+    seq_len: int,
+    *,
+    tokens_per_block: int,
+    max_batch_size: int,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> dict[int, int]:
+    """Tokens of live blocks each window needs with ``max_batch_size`` sequences running
+    under chunked prefill; the demand that the ``"auto"`` policy sizes for.
+
+    ``demand[w] = min(n * (w + tokens_per_block) + B, n * L)`` with ``n = max_batch_size``,
+    ``B = max_num_batched_tokens`` and ``L = seq_len``. A decoding sequence keeps
+    ``ceil(w / tpb) + 1`` blocks of a sliding window (``w + tpb`` tokens for a block-aligned
+    window); a sequence in prefill keeps its last chunk on top of that, and the chunks of one
+    step add up to at most ``B`` tokens. No window holds more than the whole sequence, ``L``
+    tokens each: that is the demand of full attention (``w >= L``). For sliding windows this
+    is an upper bound; for full attention an estimate (sequences of the typical length ``L``;
+    long ones running together can exceed it, shared prefixes lower it).
+
+    Args:
+        windows: The windows, ascending.
+        seq_len: Typical sequence length ``L`` (prompt plus output).
+        tokens_per_block: Block size.
+        max_batch_size: Most sequences running at once.
+        max_num_batched_tokens: Token budget of one engine step (decodes and prefill chunks).
+
+    Returns:
+        Window -> tokens, ascending window order.
+
+    Raises:
+        ValueError: An argument is not a positive int.
+
+    Example:
+        128 sequences of 2,818 tokens, a 512-token window, 32-token blocks, 8,192 tokens a step:
+        the window holds 128 x 544 + 8192 = 77,824 tokens, full attention 128 x 2818.
+
+        >>> auto_demand_tokens([512, 4496], 2818, tokens_per_block=32, max_batch_size=128)
+        {512: 77824, 4496: 360704}
+    """
+    seq = _positive("expected_seq_len", seq_len)
+    tpb = _positive("tokens_per_block", tokens_per_block)
+    n = _positive("max_batch_size", max_batch_size)
+    step = _positive("max_num_batched_tokens", max_num_batched_tokens)
+    return {_positive("window", w): min(n * (w + tpb) + step, n * seq) for w in windows}
+
+
+def _auto_weights(
+    bpt: Mapping[int, int],
+    demand: Mapping[int, int],
+    whole_tokens: int,
+    primary_bytes: int | None,
+) -> list[Fraction]:
+    """Bytes per window: the demand, plus the budget left over split over the sliding
+    windows (demand below ``whole_tokens``, all sequences whole) in proportion to their
+    bytes per token, so that each gets the same tokens of room."""
+    need = {w: Fraction(demand[w] * bpt[w]) for w in demand}
+    total = sum(need.values(), Fraction(0))
+    sliding = [w for w in demand if demand[w] < whole_tokens]
+    if primary_bytes is None or primary_bytes <= total or not sliding:
+        return list(need.values())
+    spare = primary_bytes - total
+    sliding_bpt = sum(bpt[w] for w in sliding)
+    for w in sliding:
+        need[w] += spare * bpt[w] / sliding_bpt
+    return list(need.values())
+
+
 def window_size_shares(
     bytes_per_token: Mapping[int, int],
     policy: str | Sequence[float] | None = None,
@@ -258,6 +341,9 @@ def window_size_shares(
     max_seq_len: int | None = None,
     expected_seq_len: int | None = None,
     tokens_per_block: int = 32,
+    max_batch_size: int | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    primary_bytes: int | None = None,
 ) -> dict[int, float]:
     """Fraction of the memory budget given to each attention window; sums to 1.0.
 
@@ -266,9 +352,22 @@ def window_size_shares(
     * ``"equal"``: ``1/n`` for each of the ``n`` windows (the default).
     * ``"proportional"``: share ∝ ``window * bytes_per_token[window]``, the bytes one
       full-length sequence would occupy if nothing were released.
-    * ``"auto"``: share ∝ ``min(window + tokens_per_block, L) * bytes_per_token[window]``
-      with ``L = expected_seq_len or max_seq_len``: the bytes one sequence keeps live in
-      that window, so every window runs out at the same concurrency.
+    * ``"auto"``, sized from demand under chunked prefill, with ``L = expected_seq_len or
+      max_seq_len``:
+
+      - with ``max_batch_size``: each window first gets the bytes of its demand
+        (:func:`auto_demand_tokens`: ``min(n * (window + tokens_per_block) + B, n * L)``
+        tokens with ``n = max_batch_size``, ``B = max_num_batched_tokens``). What
+        ``primary_bytes`` holds beyond that goes to the sliding windows (those that hold
+        less than the whole sequence), the same number of tokens to each: running
+        sequences keep the prefixes they share alive in a full-attention window, but
+        release them from a sliding window once the prefill passed them, so a sliding
+        window keeps a cached prefix only in free blocks. Without ``primary_bytes``, or when
+        it does not cover the demand, shares ∝ demand: every window runs out at the same
+        concurrency.
+      - without ``max_batch_size``: share ∝ ``min(window + tokens_per_block, L) *
+        bytes_per_token[window]``, the bytes one decoding sequence keeps live, so every
+        window runs out at the same concurrency.
     * a sequence of numbers (or comma-separated text): one share per window in ascending
       window order, normalised to sum 1.
 
@@ -280,14 +379,21 @@ def window_size_shares(
         max_seq_len: Sequence length for ``"auto"`` when ``expected_seq_len`` is not given.
         expected_seq_len: Typical sequence length for ``"auto"``.
         tokens_per_block: Block size, used by ``"auto"``.
+        max_batch_size: Most sequences running at once, used by ``"auto"``.
+        max_num_batched_tokens: Tokens of one engine step, used by ``"auto"`` with
+            ``max_batch_size``.
+        primary_bytes: The budget the shares divide, used by ``"auto"`` with
+            ``max_batch_size``.
 
     Returns:
         Window -> share, ascending window order, summing to 1.0.
 
     Raises:
         ValueError: Unknown policy; a share list of the wrong length, or with a negative,
-            NaN, infinite or non-numeric entry, or all zeros; ``"auto"`` without a length.
-            The message names the source (argument or environment variable).
+            NaN, infinite or non-numeric entry, or all zeros; ``"auto"`` without a length,
+            or with a ``max_batch_size``, ``max_num_batched_tokens`` or ``primary_bytes``
+            that is not a positive int. The message names the source (argument or
+            environment variable).
 
     Example:
         Windows {1024, 4096, 8192} with equal bytes per token, "proportional":
@@ -307,12 +413,23 @@ def window_size_shares(
         >>> s = window_size_shares({1024: 425984, 32768: 81920}, "auto", max_seq_len=32768)
         >>> round(s[32768], 4)
         0.8565
+
+        From demand: windows {512, full} with 4096 B per token each, 128 sequences of 2,818
+        tokens, 8,192 tokens a step and 20,000 blocks of 32 tokens: full attention gets its
+        128 x 2818 tokens (11,272 blocks), the sliding window the other 8,728 blocks.
+
+        >>> s = window_size_shares({512: 4096, 4496: 4096}, "auto", expected_seq_len=2818,
+        ...                        max_batch_size=128, primary_bytes=20000 * 32 * 4096)
+        >>> round(s[4496] * 20000, 6), round(s[512] * 20000, 6)
+        (11272.0, 8728.0)
     """
     if policy is None:
         resolved, source = resolve_share_policy(None)
     else:
         source = "policy argument"
         resolved = _normalise_policy(policy, source)
+    if primary_bytes is not None:
+        _positive("primary_bytes", primary_bytes)
     fractions = _share_fractions(
         bytes_per_token,
         resolved,
@@ -320,6 +437,9 @@ def window_size_shares(
         max_seq_len=max_seq_len,
         expected_seq_len=expected_seq_len,
         tokens_per_block=tokens_per_block,
+        max_batch_size=max_batch_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        primary_bytes=primary_bytes,
     )
     return {w: float(f) for w, f in fractions.items()}
 
@@ -337,6 +457,7 @@ def blocks_per_window(
     secondary_bytes: int = 0,
     *,
     expected_seq_len: int | None = None,
+    max_batch_size: int | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Primary and secondary block counts per window for a memory budget.
 
@@ -358,6 +479,10 @@ def blocks_per_window(
         secondary_bytes: Budget for secondary (host) blocks.
         expected_seq_len: Typical sequence length for the ``"auto"`` policy (default
             ``config.expected_seq_len``, else ``max_seq_len``).
+        max_batch_size: Most sequences running at once: with it, ``"auto"`` sizes every
+            window from its demand under chunked prefill (with
+            ``config.max_num_batched_tokens``) and gives the rest of ``primary_bytes`` to
+            the sliding windows; see :func:`window_size_shares`.
 
     Returns:
         Window -> ``(primary_blocks, secondary_blocks)``, ascending window order.
@@ -393,6 +518,9 @@ def blocks_per_window(
         if expected_seq_len is not None
         else config.expected_seq_len,
         tokens_per_block=tpb,
+        max_batch_size=max_batch_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        primary_bytes=primary if primary > 0 else None,
     )
     windows = list(bpt)
     cap: int | None = None

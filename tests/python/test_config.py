@@ -120,6 +120,7 @@ def test_kv_defaults_match_api() -> None:
         "swa_reuse_policy": "placeholder",
         "backend": "auto",
         "expected_seq_len": None,
+        "max_num_batched_tokens": 8192,
     }
 
 
@@ -154,6 +155,7 @@ def test_kv_dict_round_trip_json() -> None:
         event_buffer_max_size=16,
         swa_reuse_policy="placeholder",
         backend="virtual",
+        max_num_batched_tokens=2048,
     )
     d = json.loads(json.dumps(c.to_dict()))
     assert d["max_attention_window"] == [1024, 1024, None]
@@ -200,6 +202,10 @@ def test_kv_dict_round_trip_json() -> None:
         ({"event_buffer_max_size": -1}, "event_buffer_max_size"),
         ({"swa_reuse_policy": "keep"}, "swa_reuse_policy"),
         ({"backend": "gpu"}, "backend must be one of 'auto', 'cuda', 'host', 'virtual'"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive int"),
+        ({"max_num_batched_tokens": 8192.0}, "max_num_batched_tokens"),
+        ({"max_num_batched_tokens": None}, "max_num_batched_tokens"),
+        ({"max_num_batched_tokens": True}, "max_num_batched_tokens"),
     ],
 )
 def test_kv_validation(kwargs: dict[str, Any], field: str) -> None:

@@ -11,6 +11,7 @@ from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.sizing import (
     SHARES_ENV_VAR,
     TRTLLM_SHARES_ENV_VAR,
+    auto_demand_tokens,
     blocks_per_window,
     bytes_per_token,
     format_size,
@@ -134,6 +135,163 @@ def test_auto_expected_seq_len_and_tokens_per_block() -> None:
 def test_auto_without_length_rejected() -> None:
     with pytest.raises(ValueError, match=r'"auto" share policy.*needs max_seq_len'):
         window_size_shares({1: 1, 2: 1}, "auto")
+
+
+# "auto" from demand (max_batch_size given). Hand computations, n = max_batch_size,
+# B = max_num_batched_tokens, L = expected_seq_len: a window holds
+# min(n * (w + tpb) + B, n * L) tokens; a budget above the demand goes to the windows that
+# hold less than n * L, the same tokens to each.
+
+
+def test_auto_demand_tokens() -> None:
+    # 128 x (512 + 32) + 8192 = 77,824; full: 128 x 2,818 = 360,704
+    assert auto_demand_tokens([512, 4496], 2818, tokens_per_block=32, max_batch_size=128) == {
+        512: 77824,
+        4496: 360704,
+    }
+    # 4 x (1000 + 16) + 100 = 4,164 > 4 x 1,024: the window holds whole sequences
+    assert auto_demand_tokens(
+        [64, 1000, 4096], 1024, tokens_per_block=16, max_batch_size=4, max_num_batched_tokens=100
+    ) == {64: 4 * 80 + 100, 1000: 4096, 4096: 4096}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"max_batch_size": 2, "max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_batch_size": 2, "primary_bytes": 0}, "primary_bytes"),
+        ({"max_batch_size": 2, "expected_seq_len": -1}, "expected_seq_len"),
+    ],
+)
+def test_auto_demand_argument_errors(kwargs: dict[str, int], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        window_size_shares({512: 1, 4096: 1}, "auto", max_seq_len=4096, **kwargs)
+
+
+def test_auto_from_demand_spare_goes_to_the_sliding_window() -> None:
+    # The bench_reuse replay: 4096 B per token in each window, 20,000 blocks of 32 tokens.
+    # full: 360,704 tokens = 11,272 blocks; the 512 window: 77,824 tokens of demand plus
+    # all of the 20,000 x 32 - 77,824 - 360,704 = 201,472 spare tokens = 8,728 blocks.
+    bpt = {512: 4096, 4496: 4096}
+    budget = 20000 * 32 * 4096
+    shares = window_size_shares(
+        bpt, "auto", expected_seq_len=2818, max_batch_size=128, primary_bytes=budget
+    )
+    assert shares == {512: 8728 / 20000, 4496: 11272 / 20000}
+    # without a budget, or with one below the demand: in proportion to the demand
+    no_budget = window_size_shares(bpt, "auto", expected_seq_len=2818, max_batch_size=128)
+    assert no_budget == {512: 77824 / 438528, 4496: 360704 / 438528}
+    short = window_size_shares(
+        bpt, "auto", expected_seq_len=2818, max_batch_size=128, primary_bytes=438528 * 4096 - 1
+    )
+    assert short == no_budget
+
+
+def test_auto_from_demand_three_windows() -> None:
+    # n = 10, L = 4096, tpb 16, B = 1000. Demand in tokens: 128 -> 10 x 144 + 1000 = 2,440;
+    # 1024 -> 10 x 1040 + 1000 = 11,400; 8192 -> 10 x 4096 = 40,960. In bytes (x 100, 300,
+    # 200): 244,000 + 3,420,000 + 8,192,000 = 11,856,000. Budget 20,000,000: spare
+    # 8,144,000 B over the two sliding windows' 400 B per token = 20,360 tokens each:
+    # 128 -> 244,000 + 2,036,000; 1024 -> 3,420,000 + 6,108,000; 8192 -> 8,192,000.
+    bpt = {128: 100, 1024: 300, 8192: 200}
+    kwargs = {"max_seq_len": 8192, "expected_seq_len": 4096, "tokens_per_block": 16}
+    shares = window_size_shares(
+        bpt,
+        "auto",
+        max_batch_size=10,
+        max_num_batched_tokens=1000,
+        primary_bytes=20_000_000,
+        **kwargs,
+    )
+    assert shares == {128: 0.114, 1024: 0.4764, 8192: 0.4096}
+    # half the demand: every window scaled alike (same concurrency), 244 : 3,420 : 8,192
+    half = window_size_shares(
+        bpt,
+        "auto",
+        max_batch_size=10,
+        max_num_batched_tokens=1000,
+        primary_bytes=5_928_000,
+        **kwargs,
+    )
+    assert half == {128: 244 / 11856, 1024: 3420 / 11856, 8192: 8192 / 11856}
+
+
+def test_auto_from_demand_only_sliding_windows() -> None:
+    # Windows 512 and 1024 (both below L = 4096), 2 sequences, B = 64, tpb 32, 1 B per token:
+    # demand 2 x 544 + 64 = 1,152 and 2 x 1056 + 64 = 2,176; a budget of 10,000 leaves
+    # 6,672 tokens, 3,336 to each: 4,488 and 5,512.
+    shares = window_size_shares(
+        {512: 1, 1024: 1},
+        "auto",
+        expected_seq_len=4096,
+        max_batch_size=2,
+        max_num_batched_tokens=64,
+        primary_bytes=10_000,
+    )
+    assert shares == {512: 0.4488, 1024: 0.5512}
+
+
+def test_auto_from_demand_no_sliding_window_keeps_the_demand_ratio() -> None:
+    # 4 x (1000 + 16) + 100 > 4 x 1024: both windows hold whole sequences, so nothing is
+    # sliding and a generous budget keeps the 1 : 1 demand ratio (in bytes 1 : 3).
+    shares = window_size_shares(
+        {1000: 1, 4096: 3},
+        "auto",
+        expected_seq_len=1024,
+        tokens_per_block=16,
+        max_batch_size=4,
+        max_num_batched_tokens=100,
+        primary_bytes=10**9,
+    )
+    assert shares == {1000: 0.25, 4096: 0.75}
+
+
+def test_blocks_per_window_auto_from_demand_replay() -> None:
+    """The split ``bench/bench_reuse.py`` replays: 2 layers of 8 heads x 128, bfloat16."""
+    model = ModelConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    c = KvCacheConfig(max_attention_window=[512, None], window_size_shares="auto")
+    budget = 20000 * 32 * 4096
+    out = blocks_per_window(
+        model, c, 4496, budget, budget // 2, expected_seq_len=2818, max_batch_size=128
+    )
+    assert out == {512: (8728, 4364), 4496: (11272, 5636)}
+    # without max_batch_size: the per-sequence balance, 544 : 2,818
+    assert blocks_per_window(model, c, 4496, budget, expected_seq_len=2818) == {
+        512: (20000 * 544 // 3362, 0),
+        4496: (20000 * 2818 // 3362, 0),
+    }
+
+
+def test_blocks_per_window_auto_from_demand_gemma3_27b() -> None:
+    # 80 GiB, 64 sequences of 8,192 tokens, 32k context. Full attention: 64 x 8192 tokens x
+    # 81,920 B = 40 GiB = 16,384 blocks. Sliding: demand 64 x 1056 + 8192 = 75,776 tokens
+    # x 425,984 B = 32,279,363,584 B, plus the spare 80 GiB - 40 GiB - that; so 40 GiB in
+    # all: floor(42,949,672,960 / (425,984 x 32)) = 3,150 blocks.
+    c = KvCacheConfig(
+        max_attention_window=GEMMA3_PATTERN, window_size_shares="auto", expected_seq_len=8192
+    )
+    out = blocks_per_window(GEMMA3_27B, c, 32768, 80 * 2**30, max_batch_size=64)
+    assert out == {1024: (3150, 0), 32768: (16384, 0)}
+
+
+def test_blocks_per_window_auto_reads_max_num_batched_tokens() -> None:
+    # Budget below the demand, so B moves the split: 1 B per token per layer, tpb 1,
+    # windows 8 and 64, n = 2, L = 64: demand 2 x 9 + B and 128 tokens; budget 100 bytes.
+    model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=1, dtype="int8", kv_factor=1)
+
+    def split(batched: int) -> dict[int, tuple[int, int]]:
+        c = KvCacheConfig(
+            tokens_per_block=1,
+            max_attention_window=[8, None],
+            window_size_shares="auto",
+            max_num_batched_tokens=batched,
+        )
+        return blocks_per_window(model, c, 64, 100, max_batch_size=2)
+
+    assert split(2) == {8: (100 * 20 // 148, 0), 64: (100 * 128 // 148, 0)}
+    assert split(110) == {8: (100 * 128 // 256, 0), 64: (100 * 128 // 256, 0)}
 
 
 def test_explicit_list_normalised() -> None:
