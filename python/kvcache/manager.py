@@ -327,7 +327,12 @@ class KVCacheManager(_core.KVCacheManager):
         ):
             raise ValueError(f"primary_bytes must be a positive int, got {primary_bytes!r}")
         blocks = _blocks_per_window(
-            model, config, max_seq_len, primary_bytes, config.host_cache_size
+            model,
+            config,
+            max_seq_len,
+            primary_bytes,
+            config.host_cache_size,
+            max_batch_size=max_batch_size if max_batch_size > 0 else None,
         )
         self._init(model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens)
 
