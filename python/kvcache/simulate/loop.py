@@ -311,11 +311,14 @@ def simulate(
                 f"step {step}: nothing can be scheduled although {len(active)} requests wait; "
                 "the pools are too small for the workload"
             )
+        starting = [r for r in batch.context_requests if not rm.has_request(r)]
         rm.prepare_resources(batch)
         t2 = time.perf_counter()
+        for r in starting:  # registered this step: its cached prefix counts once
+            context_tokens += r.reused_tokens
+            reused_tokens += r.reused_tokens
         for r in batch.context_requests:
             context_tokens += batch.chunk_size(r)
-            reused_tokens += r.reused_tokens
             r.append_tokens([outputs[r.request_id][r.num_generated]])
             generated += 1
         for r, d in batch.generation:
