@@ -291,7 +291,7 @@ def simulate(
     active: list[Request] = []
     finish_step: dict[int, int] = {}
     paused_ids: set[int] = set()
-    pause_events = rejected = generated = context_tokens = reused_tokens = 0
+    pause_events = rejected = generated = context_tokens = reused_tokens = chunks = 0
     series: dict[str, list[float]] = {"step": [], "running": [], "waiting": []}
     for w in windows:
         series[f"used_{w}"] = []
@@ -333,6 +333,7 @@ def simulate(
             reused_tokens += r.reused_tokens
         for r in batch.context_requests:
             context_tokens += batch.chunk_size(r)
+            chunks += 1
             if batch.is_last_chunk(r):
                 r.append_tokens([outputs[r.request_id][r.num_generated]])
                 generated += 1
@@ -431,6 +432,10 @@ def simulate(
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
         reuse_enabled=enable_block_reuse,
         expected_seq_len=expected,
+        chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_chunk_size=sched.max_chunk_size,
+        prefill_chunks=chunks,
         series=series,
     )
 
