@@ -516,6 +516,26 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seeds the built-in workload and the draft acceptance (default 0)",
     )
+    p_sim.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int32,
+        default=None,
+        metavar="N",
+        help="tokens per engine step: generation tokens and prefill chunks (default 8192)",
+    )
+    p_sim.add_argument(
+        "--max-chunk-size",
+        type=_positive_int32,
+        default=None,
+        metavar="N",
+        help="most tokens of one prefill chunk (default: the step's token budget)",
+    )
+    p_sim.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill every prompt whole in one step (default: in chunks that fill the "
+        "step's token budget)",
+    )
     p_sim.add_argument("--no-reuse", action="store_true", help="disable block reuse")
     p_sim.add_argument(
         "--swa-reuse-policy",

@@ -1,26 +1,41 @@
 """Capacity scheduling: which requests run in the next engine step, window by window.
 
-Two policies, as in TensorRT-LLM's capacity scheduler:
+Each step has a token budget, ``max_num_batched_tokens`` (8,192 by default, as vLLM's), split
+first come, first served: running generation requests first (one token each plus their
+draft tokens), then running requests whose prompt is still being prefilled, then new (or
+resumed) requests, each prefill chunk taking what is left of the budget, at most
+``max_chunk_size`` tokens. With ``chunked_prefill=False`` prompts are prefilled whole: a new
+request is admitted only if its whole prompt fits what is left of the budget (or runs alone
+in an otherwise empty step).
+
+Two block policies, as in TensorRT-LLM's capacity scheduler:
 
 * ``"guaranteed_no_evict"``: a request is admitted only if every window can hold everything
   it will still need until it finishes, on top of what the running requests will still
   need (:meth:`KVCacheResourceManager.get_remaining_blocks_to_completion`, which credits
-  sliding-window releases). Running requests never run out of blocks and are never paused.
-* ``"max_utilization"``: a request is admitted if every window can hold its next step.
-  When the running requests' next step does not fit some window, the newest running
-  requests are paused (their blocks freed) until it does; they resume later, in arrival
-  order, with their prompt and generated tokens registered again, so nothing is lost.
+  sliding-window releases; with chunked prefill it is the worst case over chunks of at most
+  the largest chunk this scheduler schedules, so a sliding window is charged at most
+  ``ceil((window + chunk) / tokens_per_block) + 1`` blocks whatever the prompt length).
+  Running requests never run out of blocks and are never paused.
+* ``"max_utilization"``: a request is admitted if every window can hold its next step (its
+  first chunk). When the running requests' next step (their tokens and chunks) does not fit
+  some window, the newest running requests are paused (their blocks freed) until it does;
+  they resume later, in arrival order, with their prompt and generated tokens registered
+  again, so nothing is lost.
 
-Both admit in the order given (first come, first served; no overtaking), respect the
-manager's ``max_batch_size`` and an optional token budget per step, and reject requests
-that could never fit (longer than ``max_seq_len`` or than a window's whole pool).
+Both admit in the order given (no overtaking), respect the manager's ``max_batch_size``, and
+reject requests that could never fit (longer than ``max_seq_len`` or than a window's whole
+pool). A running request whose step does not fit what is left of the token budget skips the
+step (it keeps its blocks). The budget is never exceeded, except by a whole prompt longer
+than the budget, which runs alone (``chunked_prefill=False`` only).
 
-With block reuse on, admission counts reusable blocks: the first request admitted in a step
-is charged exactly what registering its prompt takes now (cached prefix blocks that running
-requests hold cost nothing). Later admissions of the same step are charged as without
-reuse, because the blocks the earlier ones allocate may evict cached blocks the later ones
-hoped to reuse. ``guaranteed_no_evict`` also keeps in reserve the extra holdings of sliding
-window blocks that several running requests share
+With block reuse on, a new request's first chunk counts the tokens after its cached prefix,
+and admission counts reusable blocks: the first request admitted in a step is charged
+exactly what registering its first chunk takes now (cached prefix blocks that running
+requests hold cost nothing). Later admissions of the same step are charged one block per
+position their chunk may cover, because the blocks the earlier ones allocate may evict
+cached blocks the later ones hoped to reuse. ``guaranteed_no_evict`` also keeps in reserve
+the extra holdings of sliding window blocks that several running requests share
 (:meth:`KVCacheResourceManager.get_num_shared_blocks`): only the last holder's release frees
 such a block.
 
@@ -39,6 +54,9 @@ Example:
     >>> out = CapacityScheduler(rm, "max_utilization").schedule(reqs)
     >>> [r.request_id for r in out.batch.context_requests]   # 3 blocks each now
     [0, 1]
+    >>> out = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=16).schedule(reqs)
+    >>> [(r.request_id, out.batch.chunk_size(r)) for r in out.batch.context_requests]
+    [(0, 10), (1, 6)]
 """
 
 from __future__ import annotations
@@ -53,10 +71,12 @@ from kvcache.resource_manager import (
     ScheduledBatch,
 )
 
-__all__ = ["POLICIES", "CapacityScheduler", "SchedulerOutput"]
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "SchedulerOutput"]
 
 #: Scheduling policies.
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
+#: Tokens per step when not given (vLLM's default ``max_num_batched_tokens``).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
@@ -67,8 +87,8 @@ class SchedulerOutput:
     """The decisions of one :meth:`CapacityScheduler.schedule` call.
 
     Attributes:
-        batch: Requests to run in the next step (context requests, generation requests with
-            their draft-token counts).
+        batch: Requests to run in the next step (context requests with their chunk sizes,
+            generation requests with their draft-token counts).
         paused: Running requests that were paused and freed (``max_utilization`` only).
         rejected: Requests that can never fit; their state is ``FAILED``.
         waiting: Requests left waiting.
@@ -80,15 +100,26 @@ class SchedulerOutput:
     waiting: list[Request] = field(default_factory=list)
 
 
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
 class CapacityScheduler:
     """Chooses the requests of each engine step so that every window has the blocks.
 
     Args:
         resource_manager: Supplies the per-window estimates and frees paused requests.
         policy: ``"guaranteed_no_evict"`` or ``"max_utilization"``.
-        max_batch_size: Most requests per step (default and upper bound: the manager's).
-        max_num_tokens: Most tokens per step counted for admitting context requests
-            (the first context request of an otherwise empty step is always allowed).
+        max_batch_size: Most requests registered at once (default and upper bound: the
+            manager's).
+        max_num_batched_tokens: Tokens per step: generation tokens (one per request plus
+            drafts) and prefill chunks (``None``: unlimited). Must exceed the manager's
+            ``max_draft_tokens``, so that any generation step fits an empty step.
+        chunked_prefill: Prefill prompts in chunks that fill the token budget (default);
+            ``False`` prefills every prompt whole in one step.
+        max_chunk_size: Most tokens of one prefill chunk (a long-prefill threshold;
+            ``None``: the budget). Only with ``chunked_prefill``.
 
     Raises:
         ValueError: Unknown policy or bad limits.
@@ -100,25 +131,54 @@ class CapacityScheduler:
         policy: str = "guaranteed_no_evict",
         *,
         max_batch_size: int | None = None,
-        max_num_tokens: int | None = None,
+        max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        chunked_prefill: bool = True,
+        max_chunk_size: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         limit = resource_manager.max_batch_size
         if max_batch_size is not None and not 0 < max_batch_size <= limit:
             raise ValueError(f"max_batch_size must be in 1..{limit}, got {max_batch_size!r}")
-        if max_num_tokens is not None and max_num_tokens <= 0:
-            raise ValueError(f"max_num_tokens must be positive, got {max_num_tokens!r}")
+        _positive("max_num_batched_tokens", max_num_batched_tokens)
+        _positive("max_chunk_size", max_chunk_size)
+        drafts = resource_manager.max_draft_tokens
+        if max_num_batched_tokens is not None and max_num_batched_tokens <= drafts:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must exceed the manager's "
+                f"max_draft_tokens ({drafts}): a generation step takes 1 + drafts tokens"
+            )
+        if max_chunk_size is not None and not chunked_prefill:
+            raise ValueError("max_chunk_size needs chunked_prefill")
         self._rm = resource_manager
         self._policy = policy
         self._max_batch = max_batch_size if max_batch_size is not None else limit
-        self._max_tokens = max_num_tokens
+        self._max_tokens = max_num_batched_tokens
+        self._chunked = bool(chunked_prefill)
+        caps = [c for c in (max_chunk_size, max_num_batched_tokens) if c is not None]
+        self._chunk: int | None = min(caps) if chunked_prefill and caps else None
         self._fits_checked: dict[int, int] = {}  # request id -> context length checked
 
     @property
     def policy(self) -> str:
         """The scheduling policy."""
         return self._policy
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """Tokens per step (``None``: unlimited)."""
+        return self._max_tokens
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """True if prompts are prefilled in chunks."""
+        return self._chunked
+
+    @property
+    def max_chunk_size(self) -> int | None:
+        """The largest prefill chunk this scheduler schedules: ``max_chunk_size`` or the
+        budget, whichever is smaller (``None``: whole prompts)."""
+        return self._chunk
 
     def schedule(self, requests: Sequence[Request]) -> SchedulerOutput:
         """Schedules the next step.
@@ -132,43 +192,113 @@ class CapacityScheduler:
             The batch, and the paused, rejected and still-waiting requests.
         """
         rm = self._rm
-        windows = rm.window_sizes
         out = SchedulerOutput()
         running = [r for r in requests if r.state in _RUNNING and rm.has_request(r)]
         waiting = [r for r in requests if r.state in _WAITING]
-
-        guaranteed = self._policy == "guaranteed_no_evict"
-        if guaranteed:
-            budget = {w: rm.get_num_free_blocks(w) - rm.get_num_shared_blocks(w) for w in windows}
-            for r in running:
-                for w, n in rm.get_remaining_blocks_per_window(r).items():
-                    budget[w] -= n
+        plan, left = self._plan_running(running)
+        if self._policy == "guaranteed_no_evict":
+            budget = self._reserve(running)
         else:
-            step_need = {
-                r.request_id: rm.get_needed_blocks_per_window(r, credit_releases=True)
-                for r in running
-            }
-            total = {w: sum(n[w] for n in step_need.values()) for w in windows}
-            free = {w: rm.get_num_free_blocks(w) for w in windows}
-            while running and any(total[w] > free[w] for w in windows):
-                victim = running.pop()  # the newest running request
-                for w in windows:
-                    total[w] -= step_need[victim.request_id][w]
-                self._pause(victim)
-                out.paused.append(victim)
-                free = {w: rm.get_num_free_blocks(w) for w in windows}
-            budget = {w: free[w] - total[w] for w in windows}
-        admit_need = (
-            rm.get_remaining_blocks_per_window if guaranteed else rm.get_needed_blocks_per_window
-        )
+            budget = self._fit_running(running, plan, out)
+        out.batch = self._batch(plan)
+        self._admit(waiting, running, budget, left, out)
+        return out
 
+    # ------------------------------------------------------------------ running requests
+
+    def _plan_running(self, running: list[Request]) -> tuple[list[tuple[Request, int]], int | None]:
+        """Tokens of each running request's step, in budget order: generation requests
+        first, then continuing prefills; returns them and the budget left."""
+        left = self._max_tokens
+        plan: list[tuple[Request, int]] = []
         for r in running:
             if r.state is RequestState.GENERATION:
-                out.batch.add_generation(r, rm.num_draft_tokens_for(r))
-            else:
-                out.batch.add_context(r)
-        tokens = out.batch.num_tokens()
+                tokens = 1 + self._rm.num_draft_tokens_for(r)
+                if left is None or tokens <= left:
+                    plan.append((r, tokens))
+                    left = None if left is None else left - tokens
+        for r in running:
+            if r.state is RequestState.CONTEXT:
+                size = self._chunk_for(r.context_len - r.context_position, left)
+                if size > 0:
+                    plan.append((r, size))
+                    left = None if left is None else left - size
+        return plan, left
 
+    def _chunk_for(self, rest: int, left: int | None) -> int:
+        """Tokens of a prefill chunk with ``rest`` prompt tokens to go and ``left`` in the
+        budget (0: none this step)."""
+        if not self._chunked:
+            return rest
+        size = rest if self._chunk is None else min(rest, self._chunk)
+        return size if left is None else min(size, left)
+
+    def _reserve(self, running: list[Request]) -> dict[int, int]:
+        """``guaranteed_no_evict``: free blocks per window not reserved for the running
+        requests' completion (nor for the extra holdings of shared blocks)."""
+        rm = self._rm
+        windows = rm.window_sizes
+        budget = {w: rm.get_num_free_blocks(w) - rm.get_num_shared_blocks(w) for w in windows}
+        for r in running:
+            for w, n in rm.get_remaining_blocks_per_window(r, chunk_size=self._chunk).items():
+                budget[w] -= n
+        return budget
+
+    def _fit_running(
+        self, running: list[Request], plan: list[tuple[Request, int]], out: SchedulerOutput
+    ) -> dict[int, int]:
+        """``max_utilization``: pauses the newest running requests until every window holds
+        the planned step; returns the free blocks per window left for admissions, less what
+        the prompts being prefilled still need until their last chunk."""
+        rm = self._rm
+        windows = rm.window_sizes
+        while True:
+            total = rm.get_needed_blocks_for_step(self._batch(plan))
+            free = {w: rm.get_num_free_blocks(w) for w in windows}
+            if not running or all(total[w] <= free[w] for w in windows):
+                break
+            victim = running.pop()  # the newest running request
+            plan[:] = [(r, t) for r, t in plan if r is not victim]
+            self._pause(victim)
+            out.paused.append(victim)
+        prefilling = [r for r in running if r.state is RequestState.CONTEXT]
+        if prefilling:
+            decodes = [(r, t) for r, t in plan if r.state is RequestState.GENERATION]
+            reserve = rm.get_needed_blocks_for_step(self._batch(decodes))
+            for r in prefilling:
+                rest = rm.get_remaining_blocks_per_window(
+                    r, chunk_size=self._chunk, prefill_only=True
+                )
+                for w in windows:
+                    reserve[w] += rest[w]
+            total = {w: max(total[w], reserve[w]) for w in windows}
+        return {w: free[w] - total[w] for w in windows}
+
+    @staticmethod
+    def _batch(plan: list[tuple[Request, int]]) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        for r, tokens in plan:
+            if r.state is RequestState.GENERATION:
+                batch.add_generation(r, tokens - 1)
+            else:
+                batch.add_context(r, tokens)
+        return batch
+
+    # ------------------------------------------------------------------ admissions
+
+    def _admit(
+        self,
+        waiting: list[Request],
+        running: list[Request],
+        budget: dict[int, int],
+        left: int | None,
+        out: SchedulerOutput,
+    ) -> None:
+        """Admits waiting requests in order while the token budget, the batch size and
+        every window allow; the first that does not fit blocks the rest."""
+        rm = self._rm
+        windows = rm.window_sizes
+        guaranteed = self._policy == "guaranteed_no_evict"
         blocked = bool(out.paused)  # no admissions in a step that had to pause
         admitted = 0
         for r in waiting:
@@ -176,22 +306,30 @@ class CapacityScheduler:
                 r.state = RequestState.FAILED
                 out.rejected.append(r)
                 continue
-            if blocked or len(out.batch) >= self._max_batch:
+            if blocked or len(running) + admitted >= self._max_batch:
                 blocked = True
                 out.waiting.append(r)
                 continue
-            size = r.context_len - r.context_position
+            size = self._first_chunk(r, left, empty=len(out.batch) == 0)
+            if size == 0:
+                blocked = True
+                out.waiting.append(r)
+                continue
             # Exact reuse only for the first admission of the step (see the module doc).
-            need = admit_need(r, use_reuse=not admitted)
-            fits_tokens = (
-                self._max_tokens is None or len(out.batch) == 0 or tokens + size <= self._max_tokens
-            )
-            if fits_tokens and all(need[w] <= budget[w] for w in windows):
+            if guaranteed:
+                need = rm.get_remaining_blocks_per_window(
+                    r, chunk_size=self._chunk, use_reuse=not admitted
+                )
+            else:
+                need = rm.get_remaining_blocks_per_window(
+                    r, chunk_size=self._chunk, use_reuse=not admitted, prefill_only=True
+                )
+            if all(need[w] <= budget[w] for w in windows):
                 for w in windows:
                     budget[w] -= need[w]
-                out.batch.add_context(r)
+                out.batch.add_context(r, size)
                 admitted += 1
-                tokens += size
+                left = None if left is None else max(0, left - size)
                 self._fits_checked.pop(r.request_id, None)
             elif not running and len(out.batch) == 0:
                 # Nothing runs, so nothing will change the pools or the cache: a request
@@ -202,7 +340,17 @@ class CapacityScheduler:
             else:
                 blocked = True
                 out.waiting.append(r)
-        return out
+
+    def _first_chunk(self, r: Request, left: int | None, *, empty: bool) -> int:
+        """Tokens of a new request's first chunk (after its cached prefix), 0 if the token
+        budget leaves none. A whole prompt must fit the budget unless the step is empty."""
+        if not self._chunked:
+            size = r.context_len
+            return size if left is None or size <= left or empty else 0
+        if left == 0:
+            return 0
+        rest = r.context_len - self._rm.get_reusable_prefix_length(r)
+        return self._chunk_for(rest, left)
 
     def _never_fits(self, r: Request) -> bool:
         """Longer than max_seq_len, or a window's peak beyond its whole pool. A resumed
@@ -210,8 +358,9 @@ class CapacityScheduler:
         if self._fits_checked.get(r.request_id) == r.context_len:
             return False
         rm = self._rm
+        alone = rm.get_blocks_to_run_alone(r, chunk_size=self._chunk)
         if r.max_kv_tokens > rm.max_seq_len or any(
-            n > rm.num_primary_blocks(w) for w, n in rm.get_blocks_to_run_alone(r).items()
+            n > rm.num_primary_blocks(w) for w, n in alone.items()
         ):
             return True
         self._fits_checked[r.request_id] = r.context_len

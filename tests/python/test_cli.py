@@ -486,6 +486,19 @@ def test_auto_shares_are_explained() -> None:
         (["--seed", "-1"], "argument --seed: expected an integer >= 0"),
         (["--shares", "1,x"], "argument --shares: expected one of 'equal'"),
         (["--model", "nope"], "unknown model 'nope'"),
+        (
+            ["--max-num-batched-tokens", "0"],
+            "argument --max-num-batched-tokens: expected a positive integer",
+        ),
+        (["--max-chunk-size", "x"], "argument --max-chunk-size: expected an integer"),
+        (
+            ["--max-chunk-size", "64", "--no-chunked-prefill"],
+            "--max-chunk-size limits prefill chunks; it cannot be used with --no-chunked-prefill",
+        ),
+        (
+            ["--max-num-batched-tokens", "3", "--draft-tokens", "3"],
+            "--max-num-batched-tokens 3 must exceed --draft-tokens 3",
+        ),
     ],
 )
 def test_simulate_bad_values(args: list[str], fragment: str) -> None:

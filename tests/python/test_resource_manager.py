@@ -13,6 +13,7 @@ from kvcache.resource_manager import (
     Request,
     RequestState,
     ScheduledBatch,
+    _prefill_peak,
     peak_live_blocks,
 )
 
@@ -368,26 +369,6 @@ def test_roll_back_of_draft_tokens() -> None:
     rm.manager.check_invariants()
 
 
-def test_chunked_context_registers_on_first_chunk_only() -> None:
-    rm = make_rm(8, 4)
-    r = Request(1, prompt=list(range(1, 11)), max_new_tokens=3)
-    first = ScheduledBatch()
-    first.add_context(r, chunk_size=6)
-    assert first.num_tokens() == 6
-    rm.prepare_resources(first)
-    assert rm.manager.num_tokens(1) == 10
-    r.context_position = 6  # the engine processed the first chunk
-    second = ScheduledBatch()
-    second.add_context(r)
-    assert second.chunk_size(r) == 4
-    assert rm.get_needed_blocks_one_step(r, 8) == 0
-    rm.prepare_resources(second)
-    assert rm.manager.num_tokens(1) == 10
-    r.append_tokens([11])
-    assert r.context_position == 10
-    assert r.state is RequestState.GENERATION
-
-
 def test_errors() -> None:
     rm = make_rm(8, 4, max_draft_tokens=1)
     r = Request(1, prompt=[1, 2], max_new_tokens=4)
@@ -398,7 +379,7 @@ def test_errors() -> None:
     ctx = ScheduledBatch()
     ctx.add_context(r)
     rm.prepare_resources(ctx)
-    with pytest.raises(ValueError, match="cannot start its context"):
+    with pytest.raises(ValueError, match="no prompt tokens left to prefill"):
         rm.prepare_resources(ctx)
     r.append_tokens([3, 4])  # two tokens at once: the cache is one behind
     with pytest.raises(ValueError, match="the cache holds 2 tokens but the request has 4"):
@@ -466,3 +447,328 @@ def test_from_memory_uses_sizing() -> None:
         MODEL, config, max_seq_len=64, max_batch_size=4, primary_bytes=128 * 20
     )
     assert rm.manager.blocks_per_window == {8: (10, 0), 64: (10, 0)}
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+def _brute_prefill_peak(start: int, end: int, chunk: int, keep: int, tpb: int, front: int) -> int:
+    """Most blocks held after any chunk [a, b] with start <= a < b <= min(a + chunk, end):
+    the core releases the blocks below a + 1 - keep, then allocates up to b."""
+    best = -(10**9)
+    for a in range(start, end):
+        released = max(0, a + 1 - keep) // tpb
+        for b in range(a + 1, min(a + chunk, end) + 1):
+            best = max(best, -(-b // tpb) - max(front, released))
+    return best
+
+
+@pytest.mark.parametrize("tpb", [1, 3, 4])
+@pytest.mark.parametrize("keep", [1, 4, 5, 9])
+def test_prefill_peak_is_the_worst_chunking(tpb: int, keep: int) -> None:
+    for chunk in (1, 2, 3, 4, 7, 12):
+        for front in range(2):
+            for start in range(front * tpb, 24, 3):
+                for end in range(start + 1, 40, 4):
+                    assert _prefill_peak(
+                        start, end, chunk, keep=keep, tpb=tpb, front=front
+                    ) == _brute_prefill_peak(start, end, chunk, keep, tpb, front), (
+                        start,
+                        end,
+                        chunk,
+                        front,
+                    )
+
+
+def run_chunked(
+    rm: KVCacheResourceManager,
+    request: Request,
+    chunks: list[int],
+    *,
+    bound: int | None,
+    seed: int = 0,
+) -> tuple[dict[int, int], list[StepRecord]]:
+    """Runs one request to completion, its prompt in ``chunks`` (tokens after the reused
+    prefix; the rest in one chunk once they run out) and checks the per-chunk estimates
+    against what the core takes. ``bound`` is the largest chunk told to the estimates."""
+    windows = rm.window_sizes
+    rng = random.Random(seed)
+    before = rm.get_remaining_blocks_per_window(request, chunk_size=bound)
+    records: list[StepRecord] = []
+    todo = list(chunks)
+    while not request.is_finished:
+        batch = ScheduledBatch()
+        registered = rm.has_request(request)
+        if request.state is RequestState.GENERATION:
+            batch.add_generation(request)
+            chunk = None
+        else:
+            start = (
+                request.context_position if registered else rm.get_reusable_prefix_length(request)
+            )
+            rest = request.context_len - start
+            chunk = min(todo.pop(0), rest) if todo else rest
+            assert bound is None or chunk <= bound
+            batch.add_context(request, chunk)
+        needed = rm.get_needed_blocks_per_window(request, chunk_size=chunk)
+        net = rm.get_needed_blocks_per_window(request, chunk_size=chunk, credit_releases=True)
+        remaining = rm.get_remaining_blocks_per_window(request, chunk_size=bound)
+        if not registered:
+            assert remaining == before
+        pos0 = {w: positions(rm, request, w) if registered else 0 for w in windows}
+        free0 = {w: rm.get_num_free_blocks(w) for w in windows}
+        rm.prepare_resources(batch)
+        rm.manager.check_invariants()
+        if registered:
+            allocated = {w: positions(rm, request, w) - pos0[w] for w in windows}
+        else:  # a registration: every block it holds (a sliding window skips the front)
+            allocated = {w: live_blocks(rm, request, w) for w in windows}
+        consumed = {w: free0[w] - rm.get_num_free_blocks(w) for w in windows}
+        if chunk is not None:
+            assert batch.chunk_size(request) == chunk
+            assert rm.manager.num_tokens(request.request_id) == request.context_position + chunk
+            if batch.is_last_chunk(request):
+                request.append_tokens([rng.randrange(1000)])
+        else:
+            request.append_tokens([rng.randrange(1000)])
+        rm.update_resources(batch)
+        rm.manager.check_invariants()
+        live = {w: live_blocks(rm, request, w) for w in windows}
+        for w in windows:
+            assert rm.get_num_allocated_blocks(request, w) == live[w]
+        records.append(StepRecord(needed, net, remaining, allocated, consumed, live))
+    rm.free_resources(request)
+    rm.manager.check_invariants()
+    return before, records
+
+
+def _check_chunk_records(
+    records: list[StepRecord], windows: list[int], exact_from: int, what: object
+) -> None:
+    """Every step's estimates equal what the core took; the estimate to completion (the
+    worst case over every cutting into chunks of at most the bound) bounds the future peak,
+    exactly from step ``exact_from`` on (the rest of the prompt is one chunk)."""
+    for w in windows:
+        for i, rec in enumerate(records):
+            assert rec.needed[w] == rec.allocated[w], (what, w, i)
+            assert rec.net[w] == max(0, rec.consumed[w]), (what, w, i)
+            held_before = records[i - 1].live[w] if i else 0
+            future_peak = max(r.live[w] for r in records[i:])
+            assert rec.remaining[w] >= future_peak - held_before, (what, w, i)
+            if i >= exact_from:
+                assert rec.remaining[w] == max(0, future_peak - held_before), (what, w, i)
+
+
+CHUNK_CASES = [
+    # (window, tpb, chunk bound): window > chunk, window < chunk, chunks not multiples of tpb
+    (8, 4, 3),
+    (8, 4, 4),
+    (8, 4, 13),
+    (5, 4, 6),
+    (46, 8, 20),
+    (46, 8, 100),
+]
+
+
+@pytest.mark.parametrize(("window", "tpb", "bound"), CHUNK_CASES)
+def test_chunk_estimates_equal_what_the_core_takes(window: int, tpb: int, bound: int) -> None:
+    rm = make_rm(window, tpb, reuse=False)
+    rng = random.Random(window * 1000 + bound)
+    rid = 0
+    for p in (1, tpb + 1, window + 1, 3 * window + 5, 120):
+        for n in (1, 9, 40):
+            for kind in ("full", "random"):
+                rid += 1
+                req = Request(
+                    rid, prompt=[rng.randrange(1, 50) for _ in range(p)], max_new_tokens=n
+                )
+                if kind == "full":
+                    chunks = [bound] * (p // bound + 1)
+                else:
+                    chunks = [rng.randint(1, bound) for _ in range(p)]
+                sizes = []
+                left = p
+                for c in chunks:
+                    if left <= 0:
+                        break
+                    sizes.append(min(c, left))
+                    left -= sizes[-1]
+                before, records = run_chunked(rm, req, chunks, bound=bound, seed=rid)
+                # the worst case over chunkings: exact from the last chunk on
+                _check_chunk_records(records, rm.window_sizes, len(sizes) - 1, (p, n, kind))
+                assert len(records) == len(sizes) + n - 1
+                # a sliding window holds at most ceil((keep + chunk - 1) / tpb) + 1 blocks
+                prefill_peak = max(r.live[window] for r in records[: len(sizes)])
+                assert prefill_peak <= -(-(window + bound - 1) // tpb) + 1
+                if p <= bound:  # one chunk: the estimate before admission is the peak
+                    assert before == {w: max(r.live[w] for r in records) for w in rm.window_sizes}
+    assert rm.get_num_free_blocks() == 512
+
+
+@pytest.mark.parametrize("policy", ["invalidate", "placeholder"])
+@pytest.mark.parametrize(("window", "tpb", "bound"), [(8, 4, 3), (8, 4, 13), (46, 8, 20)])
+def test_chunk_estimates_with_reuse_hits(window: int, tpb: int, bound: int, policy: str) -> None:
+    """Reuse on, one request at a time: reused prefixes end anywhere (partial blocks,
+    mid-chunk), the first chunk counts after them, and every chunk's estimate equals the
+    free blocks the core takes (cached blocks reused cost one each)."""
+    rm = make_rm(window, tpb, swa_reuse_policy=policy)
+    rng = random.Random(window * 7 + bound)
+    hits = mid_block = 0
+    for rid, prompt in enumerate(_shared_prefix_prompts(rng, window, tpb), 1):
+        n = rng.choice([1, 2, tpb + 1, 3 * window])
+        req = Request(rid, prompt=prompt, max_new_tokens=n)
+        reused = rm.get_reusable_prefix_length(req)
+        first = rng.randint(1, bound)
+        cost = rm.manager.get_num_blocks_to_allocate(prompt, prefill=first)
+        chunks = [first] + [rng.randint(1, bound) for _ in range(len(prompt))]
+        _, records = run_chunked(rm, req, chunks, bound=bound, seed=rid)
+        assert req.reused_tokens == reused
+        hits += reused > 0
+        mid_block += reused % tpb != 0
+        assert records[0].consumed == cost
+        assert records[0].needed == cost
+        rest = len(prompt) - reused
+        sizes = []
+        for c in chunks:
+            if rest <= 0:
+                break
+            sizes.append(min(c, rest))
+            rest -= sizes[-1]
+        _check_chunk_records(records, rm.window_sizes, len(sizes) - 1, rid)
+        for w in rm.window_sizes:
+            assert rm.get_num_free_blocks(w) == 512
+            assert rm.get_num_shared_blocks(w) == 0
+    assert hits >= 5
+    assert mid_block >= 1  # a partial-block hit: the first chunk starts mid-block
+
+
+def test_chunked_prefill_steps_and_progress() -> None:
+    rm = make_rm(8, 4, max_seq_len=64, blocks=32)
+    r = Request(1, prompt=list(range(1, 21)), max_new_tokens=3)
+    first = ScheduledBatch()
+    first.add_context(r, chunk_size=6)
+    rm.prepare_resources(first)
+    assert (rm.manager.num_tokens(1), rm.manager.prompt_length(1)) == (6, 20)
+    assert (r.state, r.context_position, first.is_last_chunk(r)) == (RequestState.CONTEXT, 0, False)
+    rm.update_resources(first)  # no token: the prompt is not done
+    assert r.context_position == 6
+    assert rm.get_needed_blocks_one_step(r, 8, chunk_size=8) == 2  # positions 6..13
+    assert rm.get_needed_blocks_one_step(r, 8, chunk_size=8, credit_releases=True) == 2
+    second = ScheduledBatch()
+    second.add_context(r, 8)
+    rm.prepare_resources(second)
+    assert rm.manager.get_cache_block_ids(1, 8)[0] != NULL_BLOCK  # 6 + 1 - 8 < 0: no release
+    r.append_tokens([7])  # wrong: the chunk did not end the prompt
+    with pytest.raises(ValueError, match="appended after a chunk that did not end its prompt"):
+        rm.update_resources(second)
+    r.generated.clear()
+    r.state = RequestState.CONTEXT
+    rm.update_resources(second)
+    assert r.context_position == 14
+    # the rest, positions 14..19, starts one block (16..19); positions below 14 + 1 - 8 = 7
+    # leave the window first, which frees block 0
+    assert rm.get_needed_blocks_one_step(r, 8) == 1
+    assert rm.get_needed_blocks_one_step(r, 8, credit_releases=True) == 0
+    with pytest.raises(ValueError, match="chunk_size 7 exceeds the 6 prompt tokens left"):
+        rm.get_needed_blocks_one_step(r, 8, chunk_size=7)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        rm.get_remaining_blocks_to_completion(r, 8, chunk_size=0)
+    last = ScheduledBatch()
+    last.add_context(r)
+    rm.prepare_resources(last)
+    assert last.is_last_chunk(r)
+    with pytest.raises(ValueError, match="append its first generated token"):
+        rm.update_resources(last)
+    r.append_tokens([7])
+    rm.update_resources(last)
+    assert (r.state, r.context_position) == (RequestState.GENERATION, 20)
+    ids_8 = rm.manager.get_cache_block_ids(1, 8)
+    assert ids_8[0] == NULL_BLOCK and NULL_BLOCK not in ids_8[1:]  # released below 7
+    rm.manager.check_invariants()
+
+
+def test_first_chunk_counts_after_the_reused_prefix() -> None:
+    rm = make_rm(8, 4, max_seq_len=64, blocks=32)
+    prompt = list(range(1, 21))
+    a = Request(1, prompt=prompt, max_new_tokens=1)
+    batch = ScheduledBatch()
+    batch.add_context(a)
+    rm.prepare_resources(batch)
+    a.append_tokens([5])
+    rm.update_resources(batch)  # stores 4 full blocks (the last prompt token is no key)
+    rm.free_resources(a)
+    b = Request(2, prompt=prompt, max_new_tokens=2)
+    assert rm.get_reusable_prefix_length(b) == 19
+    batch = ScheduledBatch()
+    batch.add_context(b, 10)  # more than the 1 token left after the hit: shortened
+    rm.prepare_resources(batch)
+    assert (b.reused_tokens, b.context_position, batch.chunk_size(b)) == (19, 19, 1)
+    assert batch.is_last_chunk(b)
+    assert rm.get_reusable_prefix_length(b) == 19  # registered: what it reused
+    rm.manager.check_invariants()
+
+
+def test_a_step_that_cannot_prefill_changes_nothing() -> None:
+    rm = make_rm(8, 4, max_seq_len=64, blocks=6)
+    a = Request(1, prompt=list(range(1, 21)), max_new_tokens=2)
+    first = ScheduledBatch()
+    first.add_context(a, 8)
+    rm.prepare_resources(first)
+    rm.update_resources(first)
+    b = Request(2, prompt=list(range(30, 38)), max_new_tokens=2)
+    batch = ScheduledBatch()
+    batch.add_context(b, 8)  # registers first (2 blocks), then a's chunk needs 3 of 2 left
+    batch.add_context(a, 12)
+    free = {w: rm.get_num_free_blocks(w) for w in rm.window_sizes}
+    assert rm.get_needed_blocks_for_step(batch) == {8: 3, 64: 3}  # b is not registered yet
+    with pytest.raises(OutOfBlocksError, match=r"window 8 needs 3 free blocks .* but has 2"):
+        rm.prepare_resources(batch)
+    assert {w: rm.get_num_free_blocks(w) for w in rm.window_sizes} == free
+    assert not rm.has_request(b) and b.state is RequestState.WAITING
+    assert (a.context_position, rm.manager.num_tokens(1)) == (8, 8)
+    assert [(r.request_id, k) for r, k in batch.context] == [(2, 8), (1, 12)]
+    rm.manager.check_invariants()
+
+
+def test_step_need_credits_releases_across_requests() -> None:
+    """A whole prompt's first generated token releases most of its sliding-window blocks;
+    in the same add_tokens call they serve another request's new block, so a full sliding
+    pool runs the step (a sum of per-request needs would have said one block short)."""
+    config = KvCacheConfig(tokens_per_block=4, max_attention_window=[4, None], backend="virtual")
+    rm = KVCacheResourceManager.from_blocks(
+        MODEL, config, {4: 5, 64: 16}, max_seq_len=64, max_batch_size=4
+    )
+    a = Request(1, prompt=list(range(1, 17)), max_new_tokens=4)  # 4 blocks
+    b = Request(2, prompt=list(range(20, 24)), max_new_tokens=4)  # 1 block
+    ctx = ScheduledBatch()
+    ctx.add_context(a)
+    ctx.add_context(b)
+    rm.prepare_resources(ctx)
+    a.append_tokens([1])
+    b.append_tokens([2])
+    rm.update_resources(ctx)
+    assert rm.get_num_free_blocks(4) == 0
+    gen = ScheduledBatch()
+    gen.add_generation(a)
+    gen.add_generation(b)
+    per_request = [rm.get_needed_blocks_one_step(r, 4, credit_releases=True) for r in (a, b)]
+    assert per_request == [0, 1]
+    assert rm.get_needed_blocks_for_step(gen) == {4: 0, 64: 2}
+    rm.prepare_resources(gen)
+    assert rm.get_num_free_blocks(4) == 1  # a released 3 and took 1, b took 1
+    rm.manager.check_invariants()
+
+
+def test_remaining_and_run_alone_with_chunks() -> None:
+    rm = make_rm(46, 8, max_seq_len=1024)
+    long_prompt = Request(2, prompt=[1] * 500, max_new_tokens=10)
+    assert rm.get_remaining_blocks_to_completion(long_prompt, 46) == 63  # whole: the prompt
+    # chunks of at most 20 tokens: at most ceil((46 + 20 - 1) / 8) + 1 = 10 blocks; 9 here
+    assert rm.get_remaining_blocks_to_completion(long_prompt, 46, chunk_size=20) == 9
+    assert rm.get_remaining_blocks_to_completion(long_prompt, 1024, chunk_size=20) == 64
+    assert rm.get_blocks_to_run_alone(long_prompt, chunk_size=20) == {46: 9, 1024: 64}
+    assert rm.get_blocks_to_run_alone(long_prompt) == {46: 63, 1024: 64}
+    assert rm.get_remaining_blocks_per_window(long_prompt, chunk_size=20, prefill_only=True) == {
+        46: 9,
+        1024: 63,
+    }

@@ -61,6 +61,8 @@ class Engine:
         self.paused_events = 0
         self.draft_tokens = draft_tokens
         self.rng = random.Random(seed)
+        self.prefill_chunks = 0
+        self.max_step_tokens = 0
 
     def submit(self, request: Request, output: list[int]) -> None:
         self.active.append(request)
@@ -79,9 +81,15 @@ class Engine:
         self.paused_events += len(out.paused)
         self.rejected += out.rejected
         batch = out.batch
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is not None and self.scheduler.chunked_prefill:
+            assert batch.num_tokens() <= budget
+        self.max_step_tokens = max(self.max_step_tokens, batch.num_tokens())
         self.rm.prepare_resources(batch)
         for r in batch.context_requests:
-            r.append_tokens([self.outputs[r.request_id][r.num_generated]])
+            self.prefill_chunks += 1
+            if batch.is_last_chunk(r):
+                r.append_tokens([self.outputs[r.request_id][r.num_generated]])
         for r, d in batch.generation:
             g = r.num_generated
             truth = self.outputs[r.request_id]
@@ -158,11 +166,28 @@ def test_batch_size_and_token_limits() -> None:
     assert ids(out.batch.context_requests) == [0, 1, 2]
     out = CapacityScheduler(rm, "max_utilization", max_batch_size=2).schedule(reqs)
     assert ids(out.batch.context_requests) == [0, 1]
-    out = CapacityScheduler(rm, "max_utilization", max_num_tokens=13).schedule(reqs)
+    # chunked prefill fills the token budget: the third prompt gets what is left
+    out = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=13).schedule(reqs)
+    assert [(r.request_id, out.batch.chunk_size(r)) for r in out.batch.context_requests] == [
+        (0, 6),
+        (1, 6),
+        (2, 1),
+    ]
+    out = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=4).schedule(reqs)
+    assert [(r.request_id, out.batch.chunk_size(r)) for r in out.batch.context_requests] == [(0, 4)]
+    capped = CapacityScheduler(rm, "max_utilization", max_chunk_size=5)
+    assert capped.max_chunk_size == 5
+    out = capped.schedule(reqs)
+    assert [out.batch.chunk_size(r) for r in out.batch.context_requests] == [5, 5, 5]
+    # whole prompts: admitted while they fit the budget; one above it still runs alone
+    whole = {"chunked_prefill": False}
+    out = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=13, **whole).schedule(
+        reqs
+    )
     assert ids(out.batch.context_requests) == [0, 1]
-    # a prompt above the token budget still runs alone
-    out = CapacityScheduler(rm, "max_utilization", max_num_tokens=4).schedule(reqs)
+    out = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=4, **whole).schedule(reqs)
     assert ids(out.batch.context_requests) == [0]
+    assert out.batch.chunk_size(reqs[0]) == 6
 
 
 def test_constructor_errors() -> None:
@@ -171,9 +196,20 @@ def test_constructor_errors() -> None:
         CapacityScheduler(rm, "fcfs")
     with pytest.raises(ValueError, match=r"max_batch_size must be in 1\.\.8"):
         CapacityScheduler(rm, max_batch_size=9)
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        CapacityScheduler(rm, max_num_tokens=0)
-    assert CapacityScheduler(rm).policy == "guaranteed_no_evict"
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive int"):
+        CapacityScheduler(rm, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_chunk_size must be a positive int"):
+        CapacityScheduler(rm, max_chunk_size=0)
+    with pytest.raises(ValueError, match="max_chunk_size needs chunked_prefill"):
+        CapacityScheduler(rm, max_chunk_size=8, chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"must exceed the manager's max_draft_tokens \(3\)"):
+        CapacityScheduler(make_rm({8: 8, 64: 8}, max_draft_tokens=3), max_num_batched_tokens=3)
+    default = CapacityScheduler(rm)
+    assert default.policy == "guaranteed_no_evict"
+    assert (default.max_num_batched_tokens, default.chunked_prefill) == (8192, True)
+    assert default.max_chunk_size == 8192
+    assert CapacityScheduler(rm, max_num_batched_tokens=None).max_chunk_size is None
+    assert CapacityScheduler(rm, chunked_prefill=False).max_chunk_size is None
 
 
 # ----------------------------------------------------------------------------- pausing
@@ -235,6 +271,7 @@ def _long_run(
     pattern: list[int | None] | None = None,
     blocks: dict[int, int] | None = None,
     tpb: int = 4,
+    **options: int | bool | None,
 ) -> Engine:
     rng = random.Random(seed)
     rm = make_rm(
@@ -244,7 +281,9 @@ def _long_run(
         max_batch_size=12,
         max_draft_tokens=draft_tokens,
     )
-    engine = Engine(rm, CapacityScheduler(rm, policy), draft_tokens=draft_tokens, seed=seed + 1)
+    engine = Engine(
+        rm, CapacityScheduler(rm, policy, **options), draft_tokens=draft_tokens, seed=seed + 1
+    )
     next_id = 0
     steps = 0
     while next_id < num_requests or engine.active:
@@ -312,7 +351,14 @@ def test_guaranteed_no_evict_rejects_what_exceeds_the_pool() -> None:
 # ----------------------------------------------------------------------------- reuse
 
 
-def _reuse_run(policy: str, swa_policy: str, *, seed: int, num_requests: int = 500) -> Engine:
+def _reuse_run(
+    policy: str,
+    swa_policy: str,
+    *,
+    seed: int,
+    num_requests: int = 500,
+    **options: int | bool | None,
+) -> Engine:
     """Requests that share prefixes (system prompts longer than the window, later turns
     extending earlier prompts) arrive while others run, so running requests share cached
     blocks, including sliding-window blocks that they later release."""
@@ -326,7 +372,7 @@ def _reuse_run(policy: str, swa_policy: str, *, seed: int, num_requests: int = 5
     rm = KVCacheResourceManager.from_blocks(
         MODEL, config, {8: 24, 64: 40}, max_seq_len=64, max_batch_size=12
     )
-    engine = Engine(rm, CapacityScheduler(rm, policy), seed=seed + 1)
+    engine = Engine(rm, CapacityScheduler(rm, policy, **options), seed=seed + 1)
     systems = [[rng.randrange(50) for _ in range(n)] for n in (6, 13, 17, 21)]
     history: list[list[int]] = []
     next_id = steps = max_shared = 0
@@ -395,3 +441,115 @@ def test_admission_counts_blocks_held_by_running_requests() -> None:
     rm.prepare_resources(out.batch)
     assert b.reused_tokens == 12
     rm.manager.check_invariants()
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+@pytest.mark.parametrize("swa_policy", ["invalidate", "placeholder"])
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+@pytest.mark.parametrize(("budget", "chunk"), [(24, 7), (40, 13)])
+def test_long_run_with_chunked_prefill_and_shared_prefixes(
+    policy: str, swa_policy: str, budget: int, chunk: int
+) -> None:
+    """Chunks shorter and longer than the 8-token window, not multiples of the block, a
+    token budget that binds: invariants hold every step, the budget is never exceeded,
+    every block is free at the end and guaranteed_no_evict never pauses."""
+    engine = _reuse_run(
+        policy,
+        swa_policy,
+        seed=31,
+        num_requests=300,
+        max_num_batched_tokens=budget,
+        max_chunk_size=chunk,
+    )
+    assert engine.prefill_chunks > len(engine.finished)  # prompts really ran in chunks
+    assert budget - chunk < engine.max_step_tokens <= budget  # the budget binds
+    if policy == "guaranteed_no_evict":
+        assert engine.paused_events == 0
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_long_run_with_chunks_and_draft_tokens(policy: str) -> None:
+    engine = _long_run(policy, num_requests=400, seed=13, draft_tokens=3, max_num_batched_tokens=16)
+    assert len(engine.finished) == 400
+    assert engine.prefill_chunks > 400
+    assert engine.max_step_tokens == 16
+    if policy == "guaranteed_no_evict":
+        assert engine.paused_events == 0
+
+
+def test_budget_goes_to_decodes_first_then_chunks() -> None:
+    rm = make_rm({8: 64, 64: 64})
+    sched = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=10)
+    engine = Engine(rm, sched)
+    reqs = [Request(i, prompt=[i + 1] * 3, max_new_tokens=8) for i in range(5)]
+    for r in reqs:
+        engine.submit(r, list(range(8)))
+    out = engine.step()  # 3 + 3 + 3 + 1: the fourth prompt starts with one token
+    assert [out.batch.chunk_size(r) for r in out.batch.context_requests] == [3, 3, 3, 1]
+    out = engine.step()  # 3 decodes, then the rest of the fourth prompt, then a chunk of 5
+    assert ids(out.batch.generation_requests) == [0, 1, 2]
+    assert [(r.request_id, out.batch.chunk_size(r)) for r in out.batch.context_requests] == [
+        (3, 2),
+        (4, 3),
+    ]
+    assert out.batch.num_tokens() == 8
+    # 5 decodes of 1 + 2 drafts would take 15 tokens: the last two skip the step, keep their
+    # blocks and run in a later step
+    drafts = make_rm({8: 64, 64: 64}, max_draft_tokens=2)
+    sched = CapacityScheduler(drafts, "max_utilization", max_num_batched_tokens=10)
+    engine = Engine(drafts, sched, draft_tokens=2)
+    for i in range(5):
+        engine.submit(Request(i, prompt=[1], max_new_tokens=9), list(range(9)))
+    engine.step()
+    out = engine.step()
+    assert [(r.request_id, d) for r, d in out.batch.generation] == [(0, 2), (1, 2), (2, 2)]
+    assert all(drafts.has_request(r) for r in engine.active)
+    while engine.active:
+        engine.step()
+        drafts.manager.check_invariants()
+    assert len(engine.finished) == 5
+
+
+def test_chunks_admit_a_prompt_too_long_for_the_sliding_pool() -> None:
+    """A 60-token prompt needs 15 blocks in every window when registered whole, more than
+    the 8-token window's pool of 10; in chunks of 8 the window holds at most 5."""
+    for policy in ("guaranteed_no_evict", "max_utilization"):
+        rm = make_rm({8: 10, 64: 20})
+        r = Request(1, prompt=list(range(1, 61)), max_new_tokens=4)
+        whole = CapacityScheduler(rm, policy, chunked_prefill=False)
+        assert ids(whole.schedule([r]).rejected) == [1]
+        r.state = RequestState.WAITING
+        engine = Engine(rm, CapacityScheduler(rm, policy, max_chunk_size=8))
+        engine.submit(r, [1, 2, 3, 4])
+        while engine.active:
+            engine.step()
+            rm.manager.check_invariants()
+            assert rm.get_num_allocated_blocks(r, 8) <= 5
+        assert engine.finished == [r] and engine.prefill_chunks == 8
+        assert rm.get_num_free_blocks(8) == 10 and rm.get_num_free_blocks(64) == 20
+
+
+def test_max_utilization_keeps_blocks_for_prompts_being_prefilled() -> None:
+    """A prompt whose later chunks the full window must still hold is not starved by
+    newer admissions: they wait until its prefill is done."""
+    rm = make_rm({8: 64, 64: 12})
+    sched = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=8)
+    engine = Engine(rm, sched)
+    a = Request(1, prompt=list(range(1, 33)), max_new_tokens=2)  # 8 full-window blocks
+    b = Request(2, prompt=list(range(40, 56)), max_new_tokens=2)  # 4 more: 12 in all
+    c = Request(3, prompt=list(range(60, 64)), max_new_tokens=2)
+    engine.submit(a, [1, 2])
+    engine.submit(b, [1, 2])
+    engine.submit(c, [1, 2])
+    out = engine.step()
+    assert ids(out.batch.context_requests) == [1]  # b's first chunk would not leave a room
+    while a.state is RequestState.CONTEXT:
+        out = engine.step()
+        assert 3 not in ids(out.batch.context_requests)
+    while engine.active:
+        engine.step()
+        rm.manager.check_invariants()
+    assert engine.paused_events == 0
+    assert engine.finished == [a, b, c]

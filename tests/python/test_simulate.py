@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,75 @@ def test_format_comparison_columns() -> None:
     assert text.splitlines()[2].split() == ["shares", "equal", f"auto(L={mean_len})"]
 
 
+def _long_prompts(seed: int) -> list[TraceRequest]:
+    """12 requests, one every 3 steps: a shared 2,048-token system prompt plus 3,000 to
+    10,000 tokens of their own, then 100 to 600 generated tokens."""
+    rng = random.Random(seed)
+    system = tuple(rng.randrange(32000) for _ in range(2048))
+    return [
+        TraceRequest(
+            i,
+            3 * i,
+            system + tuple(rng.randrange(32000) for _ in range(rng.randint(3000, 10000))),
+            tuple(rng.randrange(32000) for _ in range(rng.randint(100, 600))),
+        )
+        for i in range(12)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seed", "memory_mib", "whole", "chunked"),
+    [
+        # (pauses, completed, rejected, steps): same requests served in a third of the steps
+        (3, 448, (0, 12, 0, 2904), (0, 12, 0, 1033)),
+        # the 279-block window pool holds none of the longer prompts whole: rejected
+        (1, 384, (0, 6, 6, 443), (0, 12, 0, 1714)),
+    ],
+)
+def test_simulate_default_chunked_prefill_beats_whole_prompts(
+    seed: int,
+    memory_mib: int,
+    whole: tuple[int, int, int, int],
+    chunked: tuple[int, int, int, int],
+) -> None:
+    """gemma-3-1b, 512-token sliding window: a whole 5,000-12,000-token prompt needs 157-375
+    blocks of the window's pool at once (and, beyond the 8,192-token budget, a step of its
+    own); in the default chunks of at most 8,192 tokens it never needs more than
+    ceil((512 + 8192) / 32) + 1 = 273. Exact admission means neither mode preempts here:
+    whole prompts wait or are rejected instead."""
+    trace = _long_prompts(seed)
+    kwargs = {"model": "gemma-3-1b", "memory_bytes": memory_mib * 2**20, "check_invariants": True}
+    w = simulate(trace, chunked_prefill=False, **kwargs)  # type: ignore[arg-type]
+    c = simulate(trace, **kwargs)  # type: ignore[arg-type]
+    assert (w.pause_events, w.completed, w.rejected, w.steps) == whole
+    assert (c.pause_events, c.completed, c.rejected, c.steps) == chunked
+    assert c.pause_events <= w.pause_events and c.completed >= w.completed
+    assert (c.chunked_prefill, c.max_num_batched_tokens, c.max_chunk_size) == (True, 8192, 8192)
+    assert (w.chunked_prefill, w.max_chunk_size) == (False, None)
+    assert c.prefill_chunks > c.completed  # prompts longer than 8,192 tokens ran in chunks
+    assert "  chunked prefill (chunks <= 8,192 tokens), 8,192 tokens per step" in format_report(c)
+    assert "  whole-prompt prefill, 8,192 tokens per step" in format_report(w)
+
+
+def test_simulate_chunk_limits() -> None:
+    trace = default_workload(seed=1, num_conversations=6)
+    kwargs = {"model": "gemma-3-1b", "memory_bytes": 256 * 2**20, "check_invariants": True}
+    r = simulate(trace, max_num_batched_tokens=1024, max_chunk_size=300, **kwargs)  # type: ignore[arg-type]
+    assert r.completed == len(trace)
+    assert r.generated_tokens == sum(len(t.output) for t in trace)
+    assert r.context_tokens >= sum(len(t.prompt) for t in trace)
+    assert r.prefill_chunks > len(trace)  # prompts of more than 300 new tokens ran in chunks
+    assert (r.max_num_batched_tokens, r.max_chunk_size) == (1024, 300)
+    assert "chunked prefill (chunks <= 300 tokens), 1,024 tokens per step" in format_report(r)
+    unlimited = simulate(trace, max_num_batched_tokens=None, **kwargs)  # type: ignore[arg-type]
+    assert unlimited.max_chunk_size is None
+    assert "chunked prefill (chunks whole prompts), unlimited tokens per step" in format_report(
+        unlimited
+    )
+    with pytest.raises(ValueError, match="max_chunk_size needs chunked_prefill"):
+        simulate(trace, chunked_prefill=False, max_chunk_size=64, **kwargs)  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -335,6 +405,7 @@ def test_cli_simulate_default_run(capsys: pytest.CaptureFixture[str]) -> None:
         "max_utilization scheduling, virtual backend"
     )
     assert "  requests            1,003 (1,003 completed)" in text
+    assert "  chunked prefill (chunks <= 8,192 tokens), 8,192 tokens per step" in text
     assert "  block reuse on (sliding windows: placeholder), host cache none" in text
     assert "  prefix reuse        hit rate " in text
 
@@ -352,3 +423,19 @@ def test_cli_simulate_reuse_flags(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert set(data["cache_hit_rate_per_window"]) == {"512", str(data["max_seq_len"])}
     assert main(["simulate", *SMALL, "--no-reuse"]) == 0
     assert "  block reuse off" in capsys.readouterr().out
+
+
+def test_cli_simulate_prefill_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "r.json"
+    argv = ["simulate", *SMALL, "--max-num-batched-tokens", "2048", "--max-chunk-size", "512"]
+    assert main([*argv, "--json", str(out_json)]) == 0
+    assert "  chunked prefill (chunks <= 512 tokens), 2,048 tokens per step" in (
+        capsys.readouterr().out
+    )
+    data = json.loads(out_json.read_text())["runs"][0]
+    assert (data["chunked_prefill"], data["max_num_batched_tokens"]) == (True, 2048)
+    assert data["max_chunk_size"] == 512 and data["prefill_chunks"] > data["requests"]
+    assert main(["simulate", *SMALL, "--no-chunked-prefill", "--json", str(out_json)]) == 0
+    assert "  whole-prompt prefill, 8,192 tokens per step" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())["runs"][0]
+    assert (data["chunked_prefill"], data["max_chunk_size"]) == (False, None)

@@ -3,8 +3,9 @@
 The simulator drives a :class:`~kvcache.resource_manager.KVCacheResourceManager` on the
 ``virtual`` backend (bookkeeping only, no KV memory) step by step with a
 :class:`~kvcache.scheduler.CapacityScheduler`: each engine step runs the scheduled context
-requests (whole prompts) and generates one token for every generation request (more with
-draft tokens). Output tokens come from the workload, so runs are deterministic.
+requests (prefill chunks that fill the step's token budget by default, or whole prompts) and
+generates one token for every generation request (more with draft tokens). Output tokens
+come from the workload, so runs are deterministic.
 
 Workloads are either the built-in seeded multi-turn chat generator
 (:func:`default_workload`) or a JSON Lines trace (:func:`read_trace`), one request per line::

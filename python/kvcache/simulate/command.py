@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcache.config import SHARE_POLICIES
 from kvcache.models import load_model
+from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MEMORY,
@@ -73,6 +74,17 @@ def check_output_path(path: str, what: str) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.max_chunk_size is not None and args.no_chunked_prefill:
+        raise ValueError(
+            "--max-chunk-size limits prefill chunks; it cannot be used with "
+            "--no-chunked-prefill, which prefills every prompt whole"
+        )
+    budget = args.max_num_batched_tokens
+    if budget is not None and budget <= args.draft_tokens:
+        raise ValueError(
+            f"--max-num-batched-tokens {budget} must exceed --draft-tokens "
+            f"{args.draft_tokens}: a generation step takes 1 + drafts tokens"
+        )
     if args.trace is None:
         return
     if args.num_conversations is not None:
@@ -188,6 +200,9 @@ def run_cli(args: argparse.Namespace) -> int:
         "enable_block_reuse": not args.no_reuse,
         "swa_reuse_policy": args.swa_reuse_policy,
         "draft_tokens": args.draft_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "chunked_prefill": not args.no_chunked_prefill,
+        "max_chunk_size": args.max_chunk_size,
         "seed": args.seed or 0,
         "progress": sys.stderr if show else None,
     }

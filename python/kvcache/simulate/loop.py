@@ -3,8 +3,9 @@
 :func:`simulate` drives a :class:`~kvcache.resource_manager.KVCacheResourceManager` on the
 ``virtual`` backend (bookkeeping only, no KV memory) step by step with a
 :class:`~kvcache.scheduler.CapacityScheduler`: each engine step runs the scheduled context
-requests (whole prompts) and generates one token for every generation request (more with
-draft tokens). Output tokens come from the workload, so runs are deterministic.
+requests (prefill chunks that fill the step's token budget by default, or whole prompts)
+and generates one token for every generation request (more with draft tokens). Output tokens
+come from the workload, so runs are deterministic.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvcache.config import KvCacheConfig
 from kvcache.manager import KVCacheManager
 from kvcache.models import ModelPreset, load_model
 from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
-from kvcache.scheduler import CapacityScheduler
+from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
 from kvcache.simulate.report import SimulationReport, WindowReport
 from kvcache.simulate.workload import _VOCAB, TraceRequest
 from kvcache.sizing import blocks_per_window, format_size, parse_size, resolve_share_policy
@@ -183,7 +184,9 @@ def simulate(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_seq_len: int | None = None,
     tokens_per_block: int = 32,
-    max_num_tokens: int | None = 8192,
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    chunked_prefill: bool = True,
+    max_chunk_size: int | None = None,
     enable_block_reuse: bool = True,
     swa_reuse_policy: str = "placeholder",
     host_cache_bytes: int = 0,
@@ -206,7 +209,12 @@ def simulate(
         max_seq_len: Longest sequence (default: the longest request, within the model's
             context).
         tokens_per_block: Block size.
-        max_num_tokens: Token budget per step for admitting prompts (``None``: unlimited).
+        max_num_batched_tokens: Tokens per engine step, generation tokens and prefill
+            chunks together (``None``: unlimited; see
+            :class:`~kvcache.scheduler.CapacityScheduler`).
+        chunked_prefill: Prefill prompts in chunks that fill the token budget (default);
+            ``False`` prefills every prompt whole in one step.
+        max_chunk_size: Most tokens of one prefill chunk (``None``: the budget).
         enable_block_reuse: Reuse cached prompt prefixes (the config's
             ``enable_block_reuse``).
         swa_reuse_policy: ``"invalidate"`` or ``"placeholder"`` (the config's
@@ -253,7 +261,13 @@ def simulate(
         max_draft_tokens=draft_tokens,
     )
     rm = KVCacheResourceManager(manager)
-    sched = CapacityScheduler(rm, scheduler, max_num_tokens=max_num_tokens)
+    sched = CapacityScheduler(
+        rm,
+        scheduler,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked_prefill=chunked_prefill,
+        max_chunk_size=max_chunk_size,
+    )
     windows = rm.window_sizes
     layer_windows = config.attention_window_per_layer(preset.model.num_layers, seq_len)
     primary = {w: rm.num_primary_blocks(w) for w in windows}
@@ -277,7 +291,7 @@ def simulate(
     active: list[Request] = []
     finish_step: dict[int, int] = {}
     paused_ids: set[int] = set()
-    pause_events = rejected = generated = context_tokens = reused_tokens = 0
+    pause_events = rejected = generated = context_tokens = reused_tokens = chunks = 0
     series: dict[str, list[float]] = {"step": [], "running": [], "waiting": []}
     for w in windows:
         series[f"used_{w}"] = []
@@ -311,13 +325,18 @@ def simulate(
                 f"step {step}: nothing can be scheduled although {len(active)} requests wait; "
                 "the pools are too small for the workload"
             )
+        starting = [r for r in batch.context_requests if not rm.has_request(r)]
         rm.prepare_resources(batch)
         t2 = time.perf_counter()
+        for r in starting:  # registered this step: its cached prefix counts once
+            context_tokens += r.reused_tokens
+            reused_tokens += r.reused_tokens
         for r in batch.context_requests:
             context_tokens += batch.chunk_size(r)
-            reused_tokens += r.reused_tokens
-            r.append_tokens([outputs[r.request_id][r.num_generated]])
-            generated += 1
+            chunks += 1
+            if batch.is_last_chunk(r):
+                r.append_tokens([outputs[r.request_id][r.num_generated]])
+                generated += 1
         for r, d in batch.generation:
             g = r.num_generated
             accepted = 0
@@ -413,6 +432,10 @@ def simulate(
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
         reuse_enabled=enable_block_reuse,
         expected_seq_len=expected,
+        chunked_prefill=chunked_prefill,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_chunk_size=sched.max_chunk_size,
+        prefill_chunks=chunks,
         series=series,
     )
 

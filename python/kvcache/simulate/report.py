@@ -40,8 +40,13 @@ class SimulationReport:
 
     ``steps`` counts the engine steps that ran (idle stretches between arrivals are
     skipped); ``shares`` is the share policy as text, ``"auto(L=N)"`` for the ``"auto"``
-    policy sized for sequences of ``expected_seq_len`` = N tokens; ``series`` holds one
-    value per step for plots (``step``, ``running``, ``waiting`` and ``used_<window>``).
+    policy sized for sequences of ``expected_seq_len`` = N tokens; ``chunked_prefill`` says
+    whether prompts were prefilled in chunks (of at most ``max_chunk_size`` tokens) or whole,
+    ``max_num_batched_tokens`` is the token budget per step (``None``: unlimited) and
+    ``prefill_chunks`` counts the context entries that ran (one per prompt without
+    chunking); ``context_tokens`` counts prompt tokens registered (reused prefixes included)
+    and ``series`` holds one value per step for plots (``step``, ``running``, ``waiting``
+    and ``used_<window>``).
     """
 
     model: str
@@ -81,6 +86,10 @@ class SimulationReport:
     secondary_blocks: dict[int, int] = field(default_factory=dict)
     reuse_enabled: bool = True
     expected_seq_len: int | None = None
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = 8192
+    max_chunk_size: int | None = 8192
+    prefill_chunks: int = 0
     series: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     def to_dict(self, *, with_series: bool = True) -> dict[str, Any]:
@@ -103,6 +112,20 @@ def _auto_note(length: int, indent: str) -> list[str]:
     ]
 
 
+def _prefill_text(r: SimulationReport) -> str:
+    """How the run prefilled prompts, e.g. ``"chunked prefill (chunks <= 8,192 tokens),
+    8,192 tokens per step"``."""
+    budget = (
+        "unlimited tokens per step"
+        if r.max_num_batched_tokens is None
+        else f"{r.max_num_batched_tokens:,} tokens per step"
+    )
+    if not r.chunked_prefill:
+        return f"whole-prompt prefill, {budget}"
+    chunks = "whole prompts" if r.max_chunk_size is None else f"<= {r.max_chunk_size:,} tokens"
+    return f"chunked prefill (chunks {chunks}), {budget}"
+
+
 def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
     """The human-readable report of one run.
 
@@ -117,6 +140,7 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
         f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len:,}, "
         f"tokens_per_block {r.tokens_per_block}"
         + (f", {r.draft_tokens} draft tokens" if r.draft_tokens else ""),
+        f"  {_prefill_text(r)}",
         "  block reuse "
         + (
             f"on (sliding windows: {r.swa_reuse_policy}), host cache "
@@ -146,7 +170,8 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
         f"  engine steps        {r.steps:,}",
         f"  generated tokens    {r.generated_tokens:,} ({r.generated_tokens / max(r.steps, 1):.1f} "
         "per step)",
-        f"  context tokens      {r.context_tokens:,} (prompts, plus recomputation after pauses)",
+        f"  context tokens      {r.context_tokens:,} (prompts, plus recomputation after pauses) "
+        f"in {r.prefill_chunks:,} prefill chunks",
         f"  concurrency         mean {r.mean_concurrency:.1f}, peak {r.peak_concurrency}",
         f"  paused              {r.paused_requests:,} requests ({r.pause_events:,} pauses)",
         f"  latency (steps)     mean {r.mean_latency_steps:,.0f}, p95 {r.p95_latency_steps:,.0f}",
@@ -209,7 +234,7 @@ def format_comparison(reports: Sequence[SimulationReport], *, workload: str | No
     first = reports[0]
     lines = [
         f"kvcache simulate --compare-shares: {first.model}, {format_size(first.memory_bytes)}, "
-        f"{first.scheduler}, {first.requests:,} requests",
+        f"{first.scheduler}, {first.requests:,} requests, {_prefill_text(first)}",
         *([f"  workload: {workload}"] if workload else []),
         "",
     ]
