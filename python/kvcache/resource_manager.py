@@ -92,7 +92,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache._core import OutOfBlocksError
+from kvcache._core import OutOfBlocksError, PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.manager import KVCacheManager
 
@@ -103,6 +103,9 @@ __all__ = [
     "ScheduledBatch",
     "peak_live_blocks",
 ]
+
+
+_PREPARED_CACHE_LIMIT = 4096  # prepared contexts kept for requests not yet registered
 
 
 class RequestState(enum.Enum):
@@ -463,6 +466,7 @@ class KVCacheResourceManager:
         self._keep = [w + self._max_draft for w in self._windows]
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
         self._seqs: dict[int, _SeqState] = {}
+        self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
@@ -689,11 +693,7 @@ class KVCacheResourceManager:
             return request.reused_tokens
         if not self._reuse:
             return 0
-        return int(
-            self._manager.get_reusable_prefix_length(
-                request.context_tokens(), **self._reuse_kwargs(request)
-            )
-        )
+        return int(self._manager.get_reusable_prefix_length(self._prompt(request)))
 
     def get_needed_blocks_one_step(
         self,
@@ -883,12 +883,23 @@ class KVCacheResourceManager:
                 f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
             ) from None
 
-    def _reuse_kwargs(self, request: Request) -> dict[str, Any]:
-        return {
-            "lora_task_id": request.lora_task_id,
-            "cache_salt": request.cache_salt,
-            "multimodal": request.multimodal,
-        }
+    def _prompt(self, request: Request) -> PreparedPrompt:
+        """The request's context, prepared once (converted and keyed) for every estimate and
+        the registration: a head-of-line request retried every step is not hashed again. A
+        re-admission after a pause (longer context) prepares anew."""
+        n = request.context_len
+        p = self._prepared.get(request.request_id)
+        if p is None or len(p) != n:
+            if len(self._prepared) >= _PREPARED_CACHE_LIMIT:
+                self._prepared.clear()  # requests that never registered: drop them all
+            p = self._manager.prepare(
+                request.context_tokens(),
+                lora_task_id=request.lora_task_id,
+                cache_salt=request.cache_salt,
+                multimodal=request.multimodal,
+            )
+            self._prepared[request.request_id] = p
+        return p
 
     @staticmethod
     def _check_chunk_size(chunk_size: int | None) -> None:
@@ -955,17 +966,13 @@ class KVCacheResourceManager:
         n = request.context_len
         nw = len(self._windows)
         reused = 0
-        tokens: list[int] = []
         if self._reuse:
-            tokens = request.context_tokens()
-            reused = int(
-                self._manager.get_reusable_prefix_length(tokens, **self._reuse_kwargs(request))
-            )
+            reused = int(self._manager.get_reusable_prefix_length(self._prompt(request)))
         first = min(n, reused + size)
         if reused == 0:
             return _Registration(0, first, [0] * nw, [_ceil_div(first, self._tpb)] * nw)
         cost = self._manager.get_num_blocks_to_allocate(
-            tokens, prefill=None if size >= n else size, **self._reuse_kwargs(request)
+            self._prompt(request), prefill=None if size >= n else size
         )
         front = [max(0, reused - w) // self._tpb for w in self._windows]
         return _Registration(reused, first, front, [int(cost[w]) for w in self._windows])
@@ -1161,7 +1168,7 @@ class KVCacheResourceManager:
                 f"request {request.request_id}: cannot start its context in state "
                 f"{request.state.value}"
             )
-        tokens = request.context_tokens()
+        tokens = self._prompt(request)
         if request.max_kv_tokens > self._max_seq_len:
             raise ValueError(
                 f"request {request.request_id}: prompt {request.prompt_len} + max_new_tokens "
@@ -1175,9 +1182,9 @@ class KVCacheResourceManager:
                 tokens,
                 priority=request.priority,
                 prefill=prefill,
-                **self._reuse_kwargs(request),
             )
         )
+        self._prepared.pop(request.request_id, None)
         first = n if prefill is None else min(n, reused + prefill)
         # With reuse, a sliding window gets no block before reused - window.
         front = [max(0, reused - w) // self._tpb for w in self._windows]
