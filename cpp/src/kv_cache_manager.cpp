@@ -327,6 +327,16 @@ void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const 
   }
 }
 
+void KVCacheManager::ValidateMultimodal(const ReuseExtras& extras, const char* who, SeqId id) const {
+  for (const MultimodalItem& item : extras.multimodal) {
+    if (item.start >= 0 && item.length >= 0) continue;
+    if (id >= 0) {
+      ThrowInvalid("request ", id, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
+    }
+    ThrowInvalid(who, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
+  }
+}
+
 void KVCacheManager::ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const {
   if (!prefill.has_value() || *prefill >= 1) return;
   if (id >= 0) ThrowInvalid("request ", id, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
@@ -345,11 +355,7 @@ void KVCacheManager::CheckPrepared(const PreparedPrompt& prompt) const {
 
 PreparedPrompt KVCacheManager::Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const {
   ValidatePrompt(tokens, n, "prepare", -1);
-  for (const MultimodalItem& item : extras.multimodal) {
-    if (item.start < 0 || item.length < 0) {
-      ThrowInvalid("prepare: multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
-    }
-  }
+  ValidateMultimodal(extras, "prepare", -1);
   PreparedPrompt p;
   p.tokens.assign(tokens, tokens + n);
   p.extras = extras;
@@ -405,9 +411,6 @@ std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                                          const SequenceOptions& options, std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
-  if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
-  ValidatePrompt(tokens, n, "add_sequence", id);
   return AddSequenceLocked(id, tokens, n, options, prefill, nullptr);
 }
 
@@ -423,6 +426,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
                                                const PreparedPrompt* prepared) {
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
+  if (prepared == nullptr) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
   const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
   auto check_priority = [id](const char* what, int p) {
     if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
@@ -437,11 +441,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
       ThrowInvalid("request ", id, ": bad priority range [", r.start, ", ", r.end, ")");
     }
   }
-  for (const MultimodalItem& item : extras.multimodal) {
-    if (item.start < 0 || item.length < 0) {
-      ThrowInvalid("request ", id, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
-    }
-  }
+  ValidateMultimodal(extras, "add_sequence", id);
   if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
     throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
                                       ") sequences are already registered"));

@@ -331,6 +331,8 @@ class KVCacheManager {
   /// A prepared prompt must come from a manager with this block size and fit max_seq_len.
   void CheckPrepared(const PreparedPrompt& prompt) const;
   void ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const;
+  /// Multimodal items need start >= 0 and length >= 0; messages name `id` (>= 0) or `who`.
+  void ValidateMultimodal(const ReuseExtras& extras, const char* who, SeqId id) const;
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
