@@ -90,7 +90,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvcache._core import OutOfBlocksError, PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
@@ -106,6 +106,13 @@ __all__ = [
 
 
 _PREPARED_CACHE_LIMIT = 4096  # prepared contexts kept for requests not yet registered
+
+
+class EventPublisher(Protocol):
+    """What ``KVCacheResourceManager(..., event_publisher=...)`` calls once per step."""
+
+    def publish(self) -> object:
+        """Publishes the events of the step that just ended."""
 
 
 class RequestState(enum.Enum):
@@ -452,13 +459,18 @@ class KVCacheResourceManager:
 
     Args:
         manager: The KV cache manager (it decides windows, block size and draft allowance).
+        event_publisher: Called (``publish()``) once per step at the end of
+            :meth:`update_resources`, e.g. a :class:`kvcache.events.ZmqEventPublisher`.
 
     Example:
         See the module docstring.
     """
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(
+        self, manager: KVCacheManager, *, event_publisher: EventPublisher | None = None
+    ) -> None:
         self._manager = manager
+        self._event_publisher = event_publisher
         self._windows: list[int] = list(manager.window_sizes)
         self._tpb: int = int(manager.tokens_per_block)
         self._max_seq_len: int = int(manager.max_seq_len)
@@ -664,6 +676,8 @@ class KVCacheResourceManager:
                 request.context_position = seq.kv_len
             if self._reuse and store is not None:
                 store(request.request_id)
+        if self._event_publisher is not None:
+            self._event_publisher.publish()
 
     def free_resources(self, request: Request, *, store_for_reuse: bool = True) -> None:
         """Ends the request's sequence and returns its blocks (stored for reuse if enabled)."""

@@ -1,0 +1,548 @@
+"""KV cache events for fleet routers, in vLLM's ZeroMQ wire format (optional extra).
+
+Routers that place requests by cache contents (vLLM's router, llm-d, NVIDIA Dynamo) subscribe
+to an engine's KV event stream. :class:`ZmqEventPublisher` turns a
+:class:`kvcache.KVCacheManager`'s events into that stream, so kvcache can run behind any of
+them unchanged. Needs ``pip install 'kvcache[events]'`` (``pyzmq`` and ``msgspec``); importing
+:mod:`kvcache` itself never imports this module.
+
+Wire format (vLLM's ``vllm/distributed/kv_events.py``):
+
+* every message is three frames ``[topic, seq, payload]``: ``topic`` the UTF-8 topic, ``seq``
+  an 8-byte big-endian batch number counting from 0, ``payload`` one msgpack
+  :class:`KVEventBatch`;
+* a batch is the array ``[ts, events, data_parallel_rank]`` (``ts`` seconds since the epoch);
+* an event is a tagged array: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window]``, ``["BlockRemoved", block_hashes, medium, group_idx]`` or
+  ``["AllBlocksCleared"]`` (every field present, ``None`` where unset).
+  :func:`wire_schema` with ``array_like=False`` gives the map form newer vLLM releases use
+  for events (``{"type": "BlockStored", ...}``), for
+  consumers that expect it (``event_format="map"``).
+* replay: a ROUTER socket takes ``[identity, b"", start_seq]`` (a DEALER or REQ client sends
+  ``[b"", start_seq]`` or ``[start_seq]``) and answers with ``[identity, b"", seq, payload]``
+  for every buffered batch from ``start_seq`` on, then the end marker
+  ``[identity, b"", (-1 as 8 signed big-endian bytes), b""]``.
+
+Field values: ``block_hashes`` are kvcache's chained 64-bit block keys (unsigned ints);
+``parent_block_hash`` the key of the block before the first one (``None`` at the start of a
+prompt); ``token_ids`` the blocks' tokens, ``block_size`` tokens each (only full blocks are
+published: a partly filled last block of a sequence cannot be matched by a router);
+``lora_id`` the LoRA task id; ``medium`` ``"GPU"`` (primary pool), ``"CPU"`` (host offload
+pool) or ``"DISK"`` (the disk tier); ``group_idx`` the window's index in
+``manager.window_sizes``; ``kv_cache_spec_kind`` ``"full_attention"`` or
+``"sliding_window"`` with ``kv_cache_spec_sliding_window`` the window in tokens.
+
+A block moving between media (offload to host, onboard back to the primary pool) is a
+``BlockRemoved`` on the old medium followed by a ``BlockStored`` on the new one. When the
+manager's event buffer overflowed between two :meth:`ZmqEventPublisher.publish` calls
+(events lost), the next batch starts with ``AllBlocksCleared``: a router then forgets this
+engine's blocks rather than route to blocks that may be gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+if TYPE_CHECKING:
+    from kvcache.manager import KVCacheEvent, KVCacheManager
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEventBatch",
+    "WireSchema",
+    "ZmqEventPublisher",
+    "wire_schema",
+]
+
+_log = logging.getLogger(__name__)
+
+#: ``medium`` of a block in the primary (device) pool.
+MEDIUM_GPU = "GPU"
+#: ``medium`` of a block in the host (secondary) pool.
+MEDIUM_CPU = "CPU"
+#: ``medium`` of a block in the disk tier (the name Dynamo's router maps to its disk tier).
+MEDIUM_DISK = "DISK"
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+
+#: Replay end marker: -1 as an 8-byte signed big-endian integer.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class WireSchema:
+    """The msgspec structs of one encoding of the wire format (see :func:`wire_schema`)."""
+
+    BlockStored: Any
+    BlockRemoved: Any
+    AllBlocksCleared: Any
+    KVEventBatch: Any
+    array_like: bool
+
+
+def wire_schema(array_like: bool = True) -> WireSchema:
+    """The wire structs, with events as positional arrays (``True``) or tagged maps.
+
+    The batch is always the array ``[ts, events, data_parallel_rank]``. Build a subscriber's
+    decoder with ``msgspec.msgpack.Decoder(wire_schema().KVEventBatch)``.
+    """
+
+    class _Event(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(_Event):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(_Event):
+        block_hashes: list[int]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(_Event):
+        pass
+
+    # Built with real types: string annotations would resolve the event names in the
+    # module's namespace (the array form) rather than these local classes.
+    kv_event_batch = msgspec.defstruct(
+        "KVEventBatch",
+        [
+            ("ts", float),
+            ("events", list[BlockStored | BlockRemoved | AllBlocksCleared]),
+            ("data_parallel_rank", int | None, None),
+        ],
+        array_like=True,
+        omit_defaults=True,
+        gc=False,
+        module=__name__,
+    )
+
+    return WireSchema(BlockStored, BlockRemoved, AllBlocksCleared, kv_event_batch, array_like)
+
+
+_ARRAY = wire_schema(True)
+_MAP = wire_schema(False)
+#: ``BlockStored`` event struct (array form).
+BlockStored = _ARRAY.BlockStored
+#: ``BlockRemoved`` event struct (array form).
+BlockRemoved = _ARRAY.BlockRemoved
+#: ``AllBlocksCleared`` event struct (array form).
+AllBlocksCleared = _ARRAY.AllBlocksCleared
+#: ``KVEventBatch`` struct: ``[ts, events, data_parallel_rank]`` (array-form events).
+KVEventBatch = _ARRAY.KVEventBatch
+EventBatch = KVEventBatch
+
+
+@dataclass
+class _Cached:
+    """What the publisher knows of one published block (to move it between media)."""
+
+    parent: int | None
+    tokens: list[int]
+    lora_id: int | None
+    medium: str
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int | None) -> str | None:
+    """The endpoint of data-parallel rank ``r``: a TCP port plus ``r``, ``inproc`` ``_dp{r}``.
+
+    Rank 0 and ``None`` leave it unchanged (vLLM's convention, so one configuration serves
+    every rank). Raises ``ValueError`` for a rank > 0 with another transport.
+    """
+    if not endpoint or not data_parallel_rank:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"endpoint {endpoint!r} needs a numeric port for rank offsets")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    raise ValueError(f"endpoint {endpoint!r}: rank offsets need tcp:// or inproc://")
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: wildcard addresses, ipc and inproc bind; anything else connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Publishes a manager's KV cache events as vLLM ``KVEventBatch`` messages over ZeroMQ.
+
+    One :meth:`publish` per engine step drains the manager's events
+    (``get_latest_events``) into one batch (``KVCacheResourceManager(...,
+    event_publisher=...)`` calls it in ``update_resources``). A background thread sends the
+    batches on a PUB socket and answers replay requests on an optional ROUTER socket from a
+    buffer of the last ``buffer_steps`` batches.
+
+    Args:
+        manager: The manager; its ``config.event_buffer_max_size`` must be > 0 and large
+            enough for the events of one step (events lost to an overflow are reported as
+            ``AllBlocksCleared``).
+        endpoint: PUB address. A wildcard (``tcp://*:5557``), ``ipc://`` or ``inproc://``
+            binds; anything else (``tcp://router:5557``) connects.
+        replay_endpoint: ROUTER address for replay (bound), or ``None`` for no replay.
+        topic: Topic frame of every message.
+        buffer_steps: Batches kept for replay.
+        hwm: Send high-water mark of the PUB socket (messages).
+        data_parallel_rank: Written into every batch; a rank ``r > 0`` also offsets both
+            endpoints' TCP ports by ``r``, as vLLM does.
+        event_format: ``"array"`` (events as positional arrays, vLLM's long-standing form,
+            the default) or ``"map"`` (events as tagged maps, newer vLLM).
+
+    Raises:
+        ValueError: Events disabled on the manager, a bad argument.
+        zmq.ZMQError: An endpoint could not be bound or connected.
+
+    Example:
+        >>> import kvcache, msgspec, zmq
+        >>> from kvcache.events import ZmqEventPublisher, wire_schema
+        >>> model = kvcache.ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
+        >>> config = kvcache.KvCacheConfig(tokens_per_block=4, backend="virtual",
+        ...                                event_buffer_max_size=1000)
+        >>> kv = kvcache.KVCacheManager.from_blocks(model, config, {64: 8}, max_seq_len=64,
+        ...                                         max_batch_size=2)
+        >>> pub = ZmqEventPublisher(kv, "inproc://doc-events", replay_endpoint="inproc://doc-r")
+        >>> kv.add_sequence(1, list(range(9))); kv.remove_sequence(1)
+        0
+        >>> pub.publish()
+        0
+        >>> replay = zmq.Context.instance().socket(zmq.DEALER)
+        >>> replay.connect("inproc://doc-r")
+        >>> replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        >>> _, seq, payload = replay.recv_multipart()
+        >>> batch = msgspec.msgpack.decode(payload, type=wire_schema().KVEventBatch)
+        >>> [type(e).__name__ for e in batch.events], batch.events[0].token_ids
+        (['BlockStored'], [0, 1, 2, 3, 4, 5, 6, 7])
+        >>> replay.recv_multipart()[1] == (-1).to_bytes(8, "big", signed=True)
+        True
+        >>> replay.close(); pub.close()
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        data_parallel_rank: int | None = None,
+        *,
+        event_format: str = "array",
+    ) -> None:
+        config = getattr(manager, "config", None)
+        if config is None or getattr(config, "event_buffer_max_size", 0) <= 0:
+            raise ValueError(
+                "the manager records no events: set KvCacheConfig.event_buffer_max_size > 0"
+            )
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if data_parallel_rank is not None and (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or data_parallel_rank < 0
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be None or an int >= 0, got {data_parallel_rank!r}"
+            )
+        if event_format not in ("array", "map"):
+            raise ValueError(f'event_format must be "array" or "map", got {event_format!r}')
+        if not isinstance(topic, str):
+            raise ValueError(f"topic must be a str, got {topic!r}")
+        pub_endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        replay_at = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        if not pub_endpoint:
+            raise ValueError("endpoint must be a ZeroMQ address such as tcp://*:5557")
+
+        self._manager = manager
+        self._schema = _ARRAY if event_format == "array" else _MAP
+        self._encoder = msgspec.msgpack.Encoder()
+        self._dp_rank = data_parallel_rank
+        self._topic = topic.encode("utf-8")
+        self._buffer_steps = buffer_steps
+        windows = [int(w) for w in manager.window_sizes]
+        max_seq_len = int(manager.max_seq_len)
+        self._group = {w: i for i, w in enumerate(windows)}
+        self._sliding = {w: w < max_seq_len for w in windows}
+        self._block_size = int(manager.tokens_per_block)
+        self._cached: dict[tuple[int, int], _Cached] = {}
+        self._next_event_id: int | None = None
+        self._next_seq = 0
+        self._lost = 0
+        self._closed = False
+
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            if _binds(pub_endpoint):
+                self._pub.bind(pub_endpoint)
+            else:
+                self._pub.connect(pub_endpoint)
+            if replay_at is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_at)
+        except BaseException:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
+        self._endpoint = str(self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or pub_endpoint)
+        self._replay_endpoint = (
+            None
+            if self._replay is None
+            else str(self._replay.getsockopt_string(zmq.LAST_ENDPOINT) or replay_at)
+        )
+        self._queue: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvcache-zmq-events", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB socket's address (the bound one, with the port, when it binds)."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The ROUTER socket's bound address, or ``None`` without replay."""
+        return self._replay_endpoint
+
+    @property
+    def num_lost_events(self) -> int:
+        """Manager events lost to an overflow of its event buffer before they were published."""
+        return self._lost
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._next_seq
+
+    def publish(self) -> int | None:
+        """Drains the manager's events into one batch and queues it for sending.
+
+        Returns:
+            The batch's sequence number, or ``None`` when there was nothing to publish (no
+            message is sent for an empty step).
+
+        Raises:
+            RuntimeError: The publisher is closed.
+        """
+        if self._closed:
+            raise RuntimeError("ZmqEventPublisher is closed")
+        events = self._manager.get_latest_events(0)
+        wire = self.convert(events)
+        if not wire:
+            return None
+        batch = self._schema.KVEventBatch(
+            ts=time.time(), events=wire, data_parallel_rank=self._dp_rank
+        )
+        seq = self._next_seq
+        self._next_seq += 1
+        self._queue.put((seq, self._encoder.encode(batch)))
+        return seq
+
+    def convert(self, events: list[KVCacheEvent]) -> list[Any]:
+        """vLLM wire events for a run of the manager's events (updates the publisher's state).
+
+        ``publish`` calls this; it is public for engines that ship events their own way.
+        """
+        out: list[Any] = []
+        if events and self._next_event_id is not None and events[0].event_id > self._next_event_id:
+            self._lost += events[0].event_id - self._next_event_id
+            self._cached.clear()
+            out.append(self._schema.AllBlocksCleared())
+        for e in events:
+            self._next_event_id = e.event_id + 1
+            if e.kind == "stored":
+                self._on_stored(e, out)
+            elif e.kind == "removed":
+                for h in e.data["block_hashes"]:
+                    cached = self._cached.pop((e.window_size, int(h)), None)
+                    if cached is not None:
+                        self._removed(out, e.window_size, int(h), cached.medium)
+            elif e.kind == "updated" and e.data.get("cache_level") is not None:
+                h = int(e.data["block_hash"])
+                cached = self._cached.get((e.window_size, h))
+                new_medium = _MEDIA[int(e.data["cache_level"][1])]
+                if cached is None or cached.medium == new_medium:
+                    continue
+                self._removed(out, e.window_size, h, cached.medium)
+                cached.medium = new_medium
+                self._stored(out, e.window_size, cached.parent, h, cached, new_medium)
+        return out
+
+    def close(self) -> None:
+        """Sends what is queued, stops the thread and closes the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ conversion
+
+    def _on_stored(self, e: KVCacheEvent, out: list[Any]) -> None:
+        parent = e.data["parent_hash"]
+        parent = None if parent is None else int(parent)
+        for b in e.data["blocks"]:
+            tokens = [int(t) for t in b["tokens"]]
+            h = int(b["block_hash"])
+            if len(tokens) != self._block_size:
+                break  # a partly filled last block: not published
+            lora = b["lora_task_id"]
+            medium = _MEDIA[int(b["cache_level"])]
+            cached = _Cached(parent, tokens, None if lora is None else int(lora), medium)
+            self._cached[(e.window_size, h)] = cached
+            self._stored(out, e.window_size, parent, h, cached, medium)
+            parent = h
+
+    def _stored(
+        self,
+        out: list[Any],
+        window: int,
+        parent: int | None,
+        h: int,
+        block: _Cached,
+        medium: str,
+    ) -> None:
+        group = self._group[window]
+        last = out[-1] if out else None
+        if (
+            isinstance(last, self._schema.BlockStored)
+            and last.group_idx == group
+            and last.medium == medium
+            and last.lora_id == block.lora_id
+            and last.block_hashes[-1] == parent
+        ):
+            last.block_hashes.append(h)
+            last.token_ids.extend(block.tokens)
+            return
+        sliding = self._sliding[window]
+        out.append(
+            self._schema.BlockStored(
+                block_hashes=[h],
+                parent_block_hash=parent,
+                token_ids=list(block.tokens),
+                block_size=self._block_size,
+                lora_id=block.lora_id,
+                medium=medium,
+                lora_name=None,
+                extra_keys=None,
+                group_idx=group,
+                kv_cache_spec_kind="sliding_window" if sliding else "full_attention",
+                kv_cache_spec_sliding_window=window if sliding else None,
+            )
+        )
+
+    def _removed(self, out: list[Any], window: int, h: int, medium: str) -> None:
+        group = self._group[window]
+        last = out[-1] if out else None
+        if (
+            isinstance(last, self._schema.BlockRemoved)
+            and last.group_idx == group
+            and last.medium == medium
+        ):
+            last.block_hashes.append(h)
+            return
+        out.append(self._schema.BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _run(self) -> None:
+        """Owns both sockets: sends queued batches, answers replay requests.
+
+        Every pass first sends everything queued, then answers waiting replay requests, so a
+        replay asked for after ``publish`` returned always includes that batch.
+        """
+        buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self._buffer_steps)
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        stop = False
+
+        def drain() -> bool:
+            """Sends every queued batch; True once the stop sentinel was taken."""
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return False
+                if item is None:
+                    return True
+                seq, payload = item
+                self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+                buffer.append(item)
+
+        try:
+            while not stop:
+                stop = drain()
+                while self._replay is not None and poller.poll(0):
+                    # A request that arrived after publish() returned sees that batch.
+                    stop = drain() or stop
+                    self._serve_replay(buffer)
+                if not stop:
+                    # Wake for a replay request at once, for a queued batch within 2 ms.
+                    if self._replay is not None:
+                        poller.poll(2)
+                    else:
+                        time.sleep(0.002)
+        except Exception:  # pragma: no cover - the thread must not die silently
+            _log.exception("kvcache ZMQ event publisher failed")
+        finally:
+            self._pub.close(linger=1000)
+            if self._replay is not None:
+                self._replay.close(linger=1000)
+
+    def _serve_replay(self, buffer: collections.deque[tuple[int, bytes]]) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) == 3 and frames[1] == b"":
+            identity, _, start = frames
+        elif len(frames) == 2:
+            identity, start = frames
+        else:
+            _log.warning("ignoring a malformed replay request of %d frames", len(frames))
+            return
+        if len(start) != 8:
+            _log.warning("ignoring a replay request whose start is %d bytes", len(start))
+            return
+        first = int.from_bytes(start, "big")
+        for seq, payload in buffer:
+            if seq >= first:
+                self._replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([identity, b"", END_SEQ, b""])
