@@ -292,6 +292,7 @@ class KVCacheManager(_core.KVCacheManager):
         max_batch_size: int,
         primary_bytes: int | None = None,
         max_draft_tokens: int = 0,
+        process_group: Any = None,
     ) -> None:
         """Sizes the pools from a memory budget and allocates them.
 
@@ -308,9 +309,16 @@ class KVCacheManager(_core.KVCacheManager):
             primary_bytes: Explicit primary budget in bytes.
             max_draft_tokens: Extra tokens sliding windows keep so that ``rewind`` of up to
                 this many tokens never needs a released block.
+            process_group: A ``torch.distributed`` process group (e.g. the tensor-parallel
+                ranks): every rank constructs its manager with it, and the pools of every
+                rank get the per-window minimum of the ranks' block counts, so all ranks
+                hold identical pools and block tables. ``None``: size this process alone
+                (``torch`` is never imported).
 
         Raises:
-            ValueError: Bad arguments, or a budget too small for one block per window.
+            ValueError: Bad arguments, or a budget too small for one block per window (on
+                every rank of ``process_group`` when one rank's is), or ranks whose windows
+                differ.
             KVCacheError: The pools could not be allocated.
             RuntimeError: This manager is already initialized; nothing was changed.
         """
@@ -333,6 +341,7 @@ class KVCacheManager(_core.KVCacheManager):
             primary_bytes,
             config.host_cache_size,
             max_batch_size=max_batch_size if max_batch_size > 0 else None,
+            process_group=process_group,
         )
         self._init(model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens)
 

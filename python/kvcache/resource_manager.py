@@ -523,6 +523,7 @@ class KVCacheResourceManager:
         max_batch_size: int,
         primary_bytes: int | None = None,
         max_draft_tokens: int = 0,
+        process_group: Any = None,
     ) -> KVCacheResourceManager:
         """Sizes the manager from a memory budget (see ``KVCacheManager``), then wraps it."""
         return cls(
@@ -533,6 +534,7 @@ class KVCacheResourceManager:
                 max_batch_size=max_batch_size,
                 primary_bytes=primary_bytes,
                 max_draft_tokens=max_draft_tokens,
+                process_group=process_group,
             )
         )
 

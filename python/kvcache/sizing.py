@@ -24,6 +24,7 @@ import operator
 import os
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 from kvcache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -458,6 +459,7 @@ def blocks_per_window(
     *,
     expected_seq_len: int | None = None,
     max_batch_size: int | None = None,
+    process_group: Any = None,
 ) -> dict[int, tuple[int, int]]:
     """Primary and secondary block counts per window for a memory budget.
 
@@ -483,6 +485,10 @@ def blocks_per_window(
             window from its demand under chunked prefill (with
             ``config.max_num_batched_tokens``) and gives the rest of ``primary_bytes`` to
             the sliding windows; see :func:`window_size_shares`.
+        process_group: A ``torch.distributed`` process group: every rank of it must call
+            this, and every rank gets the per-window minimum over the ranks (tensor-parallel
+            ranks need identical pools; see :func:`kvcache.distributed.min_reduce_blocks`).
+            ``None`` (default) sizes this process alone and never imports ``torch``.
 
     Returns:
         Window -> ``(primary_blocks, secondary_blocks)``, ascending window order.
@@ -504,6 +510,25 @@ def blocks_per_window(
         >>> blocks_per_window(m, c, 8192, primary_bytes=16384 * 4096)
         {1024: (1260, 0), 4096: (5041, 0), 8192: (10082, 0)}
     """
+    if process_group is not None:
+        from kvcache.distributed import min_reduce_blocks
+
+        try:
+            local = blocks_per_window(
+                model,
+                config,
+                max_seq_len,
+                primary_bytes,
+                secondary_bytes,
+                expected_seq_len=expected_seq_len,
+                max_batch_size=max_batch_size,
+            )
+        except ValueError:
+            min_reduce_blocks(None, process_group)  # lets the other ranks fail too
+            raise
+        agreed = min_reduce_blocks(local, process_group)
+        assert agreed is not None
+        return agreed
     primary = _non_negative("primary_bytes", primary_bytes)
     secondary = _non_negative("secondary_bytes", secondary_bytes)
     tpb = config.tokens_per_block
