@@ -60,6 +60,8 @@ constexpr char kBlocksPerWindowCount[] = "blocks_per_window count";
 constexpr char kMaxDraftTokens[] = "max_draft_tokens";
 constexpr char kOffloadMinPriority[] = "secondary_offload_min_priority";
 constexpr char kEventBufferMaxSize[] = "event_buffer_max_size";
+constexpr char kDiskBlocksKey[] = "disk_blocks_per_window window";
+constexpr char kDiskBlocksCount[] = "disk_blocks_per_window count";
 
 using RequestId = Int<SeqId, kRequestId, 0>;  // API: 0 <= id < 2**63
 using AnyRequestId = Int<SeqId, kRequestId>;  // has_sequence: a negative id is simply not there
@@ -97,6 +99,7 @@ using BlocksPerWindow = std::map<Int<WindowSize, kBlocksPerWindowKey, 1>,
 using MaxDraftTokens = Int<std::int32_t, kMaxDraftTokens, 0>;
 using OffloadMinPriority = Int<int, kOffloadMinPriority, kMinPriority, kMaxPriority>;
 using EventBufferMaxSize = Int<std::size_t, kEventBufferMaxSize>;
+using DiskBlocksPerWindow = std::map<Int<WindowSize, kDiskBlocksKey, 1>, Int<std::int32_t, kDiskBlocksCount, 0>>;
 
 template <typename T, const char* Name, T Lo, T Hi>
 std::optional<T> Unwrap(const std::optional<Int<T, Name, Lo, Hi>>& arg) {
@@ -488,7 +491,8 @@ std::unique_ptr<KVCacheManager> MakeManager(
     MaxSeqLen max_seq_len, MaxBatchSize max_batch_size, const BlocksPerWindow& blocks_per_window,
     const std::string& backend, MaxDraftTokens max_draft_tokens, bool enable_block_reuse, bool enable_partial_reuse,
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
-    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy) {
+    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy,
+    const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir) {
   ModelSpec model;
   model.num_layers = num_layers;
   model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
@@ -512,6 +516,8 @@ std::unique_ptr<KVCacheManager> MakeManager(
   config.secondary_offload_min_priority = secondary_offload_min_priority;
   config.event_buffer_max_size = event_buffer_max_size;
   config.swa_reuse_policy = ParseSwaReusePolicy(swa_reuse_policy);
+  for (const auto& [w, count] : disk_blocks_per_window) config.disk_blocks_per_window[w] = count;
+  config.disk_cache_dir = disk_cache_dir;
   pybind11::gil_scoped_release release;
   return std::make_unique<KVCacheManager>(model, config);
 }
@@ -587,7 +593,8 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("max_draft_tokens") = 0, pybind11::arg("enable_block_reuse") = false,
           pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
           pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
-          pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder");
+          pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder",
+          pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "");
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)

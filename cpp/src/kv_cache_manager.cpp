@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
 
@@ -69,6 +70,18 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     if (counts.primary <= 0) ThrowInvalid("window ", w, " needs at least one primary block, got ", counts.primary);
     if (counts.secondary < 0) ThrowInvalid("window ", w, " has a negative secondary block count");
   }
+  for (const auto& [w, disk] : config.disk_blocks_per_window) {
+    const auto counts = config.blocks_per_window.find(w);
+    if (counts == config.blocks_per_window.end()) ThrowInvalid("disk_blocks_per_window: ", w, " is not a window size");
+    if (disk < 0) ThrowInvalid("window ", w, " has a negative disk block count");
+    if (disk > 0 && counts->second.secondary == 0) {
+      ThrowInvalid("window ", w, " has disk blocks but no secondary blocks: blocks reach the disk tier from host "
+                   "memory, so a disk cache needs a host cache");
+    }
+    if (static_cast<std::int64_t>(disk) + counts->second.primary + counts->second.secondary > std::numeric_limits<std::int32_t>::max()) {
+      ThrowInvalid("window ", w, ": primary, secondary and disk blocks exceed 2**31 - 1 block ids");
+    }
+  }
 
   reuse_ = config.enable_block_reuse;
   partial_reuse_ = config.enable_partial_reuse;
@@ -83,6 +96,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   const int elem_bytes = DTypeBytes(model.dtype);
   layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
   std::int32_t global_pool = 0;
+  std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
     std::map<std::int32_t, PoolLayout> by_heads;  // ascending head count
@@ -116,7 +130,12 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
                                                             counts.primary, counts.secondary, backend_.get(),
                                                             tree_.get(), options, events_.get()));
-    pins_.emplace_back(static_cast<std::size_t>(counts.primary + counts.secondary), 0);
+    const auto disk = config.disk_blocks_per_window.find(window);
+    if (disk != config.disk_blocks_per_window.end() && disk->second > 0) {
+      if (disk_tier == nullptr && backend_->HasMemory()) disk_tier = MakeDiskTier(config.disk_cache_dir);
+      windows_.back()->AttachTier(disk->second, disk_tier);
+    }
+    pins_.emplace_back(static_cast<std::size_t>(windows_.back()->num_blocks()), 0);
     if (events_) {
       KVCacheEvent e;
       e.kind = EventKind::kCreated;
@@ -919,7 +938,7 @@ void KVCacheManager::CheckOwnership() const {
   //    block's releasers, and the releaser lists hold nothing else.
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const WindowBlockManager& wm = *windows_[w];
-    std::vector<std::vector<SeqId>> expected(static_cast<std::size_t>(wm.num_primary() + wm.num_secondary()));
+    std::vector<std::vector<SeqId>> expected(static_cast<std::size_t>(wm.num_blocks()));
     for (const auto& [id, seq] : sequences_) {
       for (const auto& [b, generation] : seq.windows[w].released) {
         if (b == kNullBlock) continue;

@@ -170,7 +170,7 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
           block.hash = h;
           block.tokens.assign(t, t + len);
           block.lora_task_id = seq.extras.lora_task_id;
-          block.cache_level = wm.IsPrimary(b) ? 0 : 1;
+          block.cache_level = wm.LevelOf(b);
           block.priority = wm.Priority(b);
           stored[w].blocks.push_back(std::move(block));
           last_stored[w] = d;
@@ -237,7 +237,7 @@ void KVCacheManager::UnpinBlocks(const std::map<WindowSize, std::vector<BlockId>
     const std::size_t w = WindowIndex(window);
     const WindowBlockManager& wm = *windows_[w];
     for (const BlockId b : blocks) {
-      if (b < 0 || b >= wm.num_primary() + wm.num_secondary()) {
+      if (b < 0 || b >= wm.num_blocks()) {
         ThrowInvalid("unpin_blocks_by_id: block ", b, " is not a block of window ", window);
       }
       if (++count[w][b] > pins_[w][static_cast<std::size_t>(b)]) {
@@ -259,7 +259,7 @@ void KVCacheManager::UnpinBlocksById(const std::vector<BlockId>& blocks, std::op
   const WindowBlockManager& wm = *windows_[lookup];
   std::vector<NodeId> nodes;
   for (const BlockId b : blocks) {
-    if (b < 0 || b >= wm.num_primary() + wm.num_secondary() || wm.NodeOf(b) == kNoNode) {
+    if (b < 0 || b >= wm.num_blocks() || wm.NodeOf(b) == kNoNode) {
       ThrowInvalid("unpin_blocks_by_id: block ", b, " of window ", wm.window(), " is not a stored block");
     }
     nodes.push_back(wm.NodeOf(b));

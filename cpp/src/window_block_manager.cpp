@@ -127,7 +127,8 @@ void WindowBlockManager::EvictCached(BlockId victim) {
   }
   const BlockId s = policy_.Peek(CacheLevel::kSecondary);
   policy_.Remove(s);
-  if (state_[s].node != kNoNode) Drop(s);  // the oldest offloaded content goes; may unlink victim
+  // The oldest offloaded content goes to the disk tier, or is dropped; may unlink victim.
+  if (state_[s].node != kNoNode && !SpillToDisk(s)) Drop(s);
   if (state_[victim].node == kNoNode) {
     policy_.Push(s, EvictionPolicy::kScratch);
     return;
@@ -152,7 +153,13 @@ void WindowBlockManager::EvictCached(BlockId victim) {
 }
 
 void WindowBlockManager::Claim(BlockId b) {
-  if (state_[b].ref_count == 0) policy_.Remove(b);
+  if (state_[b].ref_count == 0) {
+    if (IsDisk(b)) {
+      DiskUnqueue(b);
+    } else {
+      policy_.Remove(b);
+    }
+  }
   ++state_[b].ref_count;
 }
 
@@ -162,7 +169,9 @@ void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
     releasers_[b].push_back(released_by);
     state_[b].has_releasers = true;
   }
-  if (--state_[b].ref_count == 0) {
+  if (--state_[b].ref_count == 0 && IsDisk(b)) {
+    DiskQueue(b);
+  } else if (state_[b].ref_count == 0) {
     const int q = QueuePriority(b);
     policy_.Push(b, q, to_front && q == EvictionPolicy::kScratch);
   }
@@ -181,7 +190,18 @@ BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::i
                                     std::vector<SeqId>* displaced) {
   KVC_CHECK(!IsPrimary(s) && state_[s].ref_count > 0, "onboard needs a claimed secondary block");
   const BlockId p = Acquire(owner, priority, expiry_ms, displaced);
-  if (backend_->HasMemory()) {
+  if (IsDisk(s)) {
+    if (tier_ != nullptr && backend_->HasMemory()) {
+      const std::vector<TierSegment> segments = ReadDisk(s, &disk_buffer_);
+      for (std::size_t i = 0; i < pools_.size(); ++i) {
+        const std::size_t bytes = segments[i].bytes;
+        backend_->Copy2D(Address(p, i), CacheLevel::kPrimary, bytes, segments[i].data, CacheLevel::kSecondary, bytes,
+                         bytes, 1);
+      }
+      backend_->Synchronize();  // before `disk_buffer_` is reused
+      tier_->Erase(KeyOf(s));     // the content lives on in `p`
+    }
+  } else if (backend_->HasMemory()) {
     for (std::size_t i = 0; i < pools_.size(); ++i) {
       const std::size_t bytes = pools_[i].BlockBytes();
       backend_->Copy2D(Address(p, i), CacheLevel::kPrimary, bytes, Address(s, i), CacheLevel::kSecondary, bytes,
@@ -193,7 +213,7 @@ BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::i
     tree_->SetBlock(n, index_, p);
     state_[p].node = n;
     state_[s].node = kNoNode;
-    EmitUpdated(p, std::make_pair(1, 0), std::nullopt);
+    EmitUpdated(p, std::make_pair(LevelOf(s), 0), std::nullopt);
   }
   ++onboarded_;
   Release(s);
@@ -202,22 +222,29 @@ BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::i
 
 void WindowBlockManager::CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens) {
   if (!backend_->HasMemory() || num_tokens <= 0) return;
+  std::vector<TierSegment> from_disk;  // a disk source is read into disk_buffer_ first
+  if (IsDisk(src)) {
+    if (tier_ == nullptr) return;
+    from_disk = ReadDisk(src, &disk_buffer_);
+  }
   for (std::size_t p = 0; p < pools_.size(); ++p) {
     const PoolLayout& pool = pools_[p];
     const std::size_t row = static_cast<std::size_t>(pool.head_dim) * pool.elem_bytes;
     const std::size_t pitch = row * static_cast<std::size_t>(pool.tokens_per_block);
     const std::size_t rows = pool.layers.size() * static_cast<std::size_t>(pool.kv_factor * pool.num_kv_heads);
+    const void* from = IsDisk(src) ? from_disk[p].data : Address(src, p);
     backend_->Copy2D(Address(dst, p), IsPrimary(dst) ? CacheLevel::kPrimary : CacheLevel::kSecondary, pitch,
-                     Address(src, p), IsPrimary(src) ? CacheLevel::kPrimary : CacheLevel::kSecondary, pitch,
+                     from, IsPrimary(src) ? CacheLevel::kPrimary : CacheLevel::kSecondary, pitch,
                      row * static_cast<std::size_t>(num_tokens), rows);
   }
+  if (IsDisk(src)) backend_->Synchronize();  // before `disk_buffer_` is reused
 }
 
 void WindowBlockManager::Link(BlockId b, NodeId node) {
   KVC_CHECK(state_[b].node == kNoNode && tree_->Block(node, index_) == kNullBlock, "link of a linked block or slot");
   tree_->SetBlock(node, index_, b);
   state_[b].node = node;
-  if (policy_.Contains(b)) Requeue(b);
+  if (InPolicy(b)) Requeue(b);
 }
 
 void WindowBlockManager::Drop(BlockId b) {
@@ -228,10 +255,16 @@ void WindowBlockManager::Drop(BlockId b) {
   for (const NodeId m : nodes) {
     const BlockId x = tree_->Block(m, index_);
     if (x == kNullBlock) continue;
+    if (IsDisk(x) && tier_ != nullptr && state_[x].ref_count == 0) tier_->Erase(KeyOf(x));
     tree_->SetBlock(m, index_, kNullBlock);
     state_[x].node = kNoNode;
     if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
-    if (policy_.Contains(x)) Requeue(x);  // now holds nothing reusable: scratch
+    if (InPolicy(x)) {
+      Requeue(x);  // now holds nothing reusable: scratch
+    } else if (IsDisk(x) && state_[x].ref_count == 0) {
+      DiskUnqueue(x);
+      DiskQueue(x);  // now holds nothing: the free list
+    }
   }
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
     if (tree_->Alive(*it)) tree_->PruneUp(*it);
@@ -244,7 +277,7 @@ void WindowBlockManager::SetPriority(BlockId b, int priority, std::int64_t expir
   if (state_[b].expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
   state_[b].expiry_ms = expiry_ms;
   if (old == priority) return;
-  if (policy_.Contains(b)) Requeue(b);
+  if (InPolicy(b)) Requeue(b);
   EmitUpdated(b, std::nullopt, std::make_pair(old, priority));
 }
 
@@ -273,12 +306,14 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
                                          expected_refs[b], " references from sequences and pins"));
     }
     const bool free = state_[b].ref_count == 0;
-    if (free != policy_.Contains(b)) {
+    if (IsDisk(b)) {
+      CheckDiskSlot(b);
+    } else if (free != policy_.Contains(b)) {
       throw InternalError(detail::Concat("window ", window_, ": block ", b,
                                          free ? " is unreferenced but not in a free queue"
                                               : " is referenced but sits in a free queue"));
     }
-    if (free) {
+    if (free && !IsDisk(b)) {
       (b < num_primary_ ? free_primary : free_secondary)++;
       KVC_CHECK(policy_.QueuedPriority(b) == QueuePriority(b),
                 detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",

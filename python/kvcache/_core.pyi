@@ -117,6 +117,10 @@ class KVCacheManager:
         secondary_offload_min_priority: typing.SupportsIndex = 30,
         event_buffer_max_size: typing.SupportsIndex = 0,
         swa_reuse_policy: str = "placeholder",
+        disk_blocks_per_window: collections.abc.Mapping[
+            typing.SupportsIndex, typing.SupportsIndex
+        ] = {},
+        disk_cache_dir: str = "",
     ) -> None: ...
     def _add_sequence(
         self,

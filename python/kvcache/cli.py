@@ -6,8 +6,8 @@ that holds nothing, an output path that cannot be written; nothing was written);
 failure of the run itself (out of memory, an internal error); 130 interrupted; 141 stdout
 closed early (``kvcache models | head``).
 
-Limits, each with its reason: sizes (``--memory``, ``--host-cache``) at most 1 PiB (more
-than any one device or host has; larger values are typos); ``--max-seq-len``,
+Limits, each with its reason: sizes (``--memory``, ``--host-cache``, ``--disk-cache``) at
+most 1 PiB (more than any one device or host has; larger values are typos); ``--max-seq-len``,
 ``--tokens-per-block`` and ``--max-batch-size`` at most 2**31-1 (32-bit in the core);
 ``--draft-tokens`` at most 256; ``--num-conversations`` at most 10,000 (the built-in
 workload is generated in memory; replay larger workloads with ``--trace``).
@@ -45,8 +45,8 @@ __all__ = ["MAX_SIZE_BYTES", "PlanRow", "PolicyPlan", "main", "make_plan"]
 
 _PROG = "kvcache"
 
-#: Largest ``--memory`` / ``--host-cache`` accepted (1 PiB): more than any single device
-#: or host has, so a larger value is a typo (``10000TiB``, ``1e30``).
+#: Largest ``--memory`` / ``--host-cache`` / ``--disk-cache`` accepted (1 PiB): more than any
+#: single device or host has, so a larger value is a typo (``10000TiB``, ``1e30``).
 MAX_SIZE_BYTES = 2**50
 _INT32_MAX = 2**31 - 1
 _MAX_DRAFT_TOKENS = 256
@@ -550,6 +550,14 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="host (secondary) memory for offloaded reusable blocks, e.g. 8GiB (default: none)",
+    )
+    p_sim.add_argument(
+        "--disk-cache",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="disk tier below the host cache (needs --host-cache), e.g. 64GiB; the report "
+        "shows the hit rate with and without it (default: none)",
     )
     p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     p_sim.add_argument(

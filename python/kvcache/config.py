@@ -329,6 +329,10 @@ class KvCacheConfig:
         max_gpu_total_bytes: Primary budget in bytes; ``None`` (or 0, stored as ``None``)
             means "use the free memory fraction".
         host_cache_size: Bytes of host memory for secondary (offloaded) blocks.
+        disk_cache_size: Bytes of the disk tier below host memory: evicted host blocks are
+            written there and onboarded on a hit (0: none; needs ``host_cache_size`` > 0).
+        disk_cache_dir: Directory of the disk tier's files; ``None``: a private temporary
+            directory, removed with the manager.
         enable_block_reuse: Reuse cached prompt prefixes across requests.
         enable_partial_reuse: Allow reusing a partially matching block.
         copy_on_partial_reuse: Copy a partially matched block instead of taking it over.
@@ -377,6 +381,8 @@ class KvCacheConfig:
     backend: str = "auto"
     expected_seq_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    disk_cache_size: int = 0
+    disk_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
@@ -401,6 +407,18 @@ class KvCacheConfig:
             if total == 0:
                 object.__setattr__(self, "max_gpu_total_bytes", None)
         _non_negative_int("host_cache_size", self.host_cache_size)
+        _non_negative_int("disk_cache_size", self.disk_cache_size)
+        if self.disk_cache_size > 0 and self.host_cache_size == 0:
+            raise ValueError(
+                "disk_cache_size needs host_cache_size > 0: blocks reach the disk tier from "
+                "host memory"
+            )
+        if self.disk_cache_dir is not None and (
+            not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir
+        ):
+            raise ValueError(
+                f"disk_cache_dir must be a non-empty str or None, got {self.disk_cache_dir!r}"
+            )
         for name in (
             "enable_block_reuse",
             "enable_partial_reuse",

@@ -194,7 +194,7 @@ def _optional_int(name: str, value: int | None) -> int | None:
 def _native_kwargs(
     model: ModelConfig,
     config: KvCacheConfig,
-    blocks: Mapping[int, int | tuple[int, int]],
+    blocks: Mapping[int, int | tuple[int, int] | tuple[int, int, int]],
     max_seq_len: int,
     max_batch_size: int,
     max_draft_tokens: int,
@@ -214,19 +214,22 @@ def _native_kwargs(
             f"blocks_per_window keys must be the window sizes {expected}, got {sorted(blocks)}"
         )
     counts: dict[int, tuple[int, int]] = {}
+    disk: dict[int, int] = {}
     for window, count in blocks.items():
         if isinstance(count, int) and not isinstance(count, bool):
             counts[int(window)] = (count, 0)
         elif (
             isinstance(count, tuple)
-            and len(count) == 2
+            and len(count) in (2, 3)
             and all(isinstance(v, int) and not isinstance(v, bool) for v in count)
         ):
             counts[int(window)] = (count[0], count[1])
+            if len(count) == 3:
+                disk[int(window)] = count[2]
         else:
             raise ValueError(
-                f"blocks_per_window[{window}] must be an int or a (primary, secondary) pair, "
-                f"got {count!r}"
+                f"blocks_per_window[{window}] must be an int, a (primary, secondary) pair or a "
+                f"(primary, secondary, disk) triple, got {count!r}"
             )
     pattern = config.max_attention_window
     return {
@@ -249,6 +252,8 @@ def _native_kwargs(
         "secondary_offload_min_priority": config.secondary_offload_min_priority,
         "event_buffer_max_size": config.event_buffer_max_size,
         "swa_reuse_policy": config.swa_reuse_policy,
+        "disk_blocks_per_window": disk,
+        "disk_cache_dir": config.disk_cache_dir or "",
     }
 
 
@@ -343,13 +348,26 @@ class KVCacheManager(_core.KVCacheManager):
             max_batch_size=max_batch_size if max_batch_size > 0 else None,
             process_group=process_group,
         )
-        self._init(model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens)
+        sized: dict[int, tuple[int, int] | tuple[int, int, int]] = dict(blocks)
+        if config.disk_cache_size > 0:
+            # The disk budget splits over the windows like the host budget.
+            disk = _blocks_per_window(
+                model,
+                config,
+                max_seq_len,
+                primary_bytes,
+                config.disk_cache_size,
+                max_batch_size=max_batch_size if max_batch_size > 0 else None,
+                process_group=process_group,
+            )
+            sized = {w: (p, s, disk[w][1]) for w, (p, s) in blocks.items()}
+        self._init(model, config, sized, max_seq_len, max_batch_size, max_draft_tokens)
 
     def _init(
         self,
         model: ModelConfig,
         config: KvCacheConfig,
-        blocks: Mapping[int, int | tuple[int, int]],
+        blocks: Mapping[int, int | tuple[int, int] | tuple[int, int, int]],
         max_seq_len: int,
         max_batch_size: int,
         max_draft_tokens: int,
@@ -360,13 +378,16 @@ class KVCacheManager(_core.KVCacheManager):
         _core.KVCacheManager.__init__(self, **kwargs)
         self.model = model
         self.config = config
+        self._disk_blocks: dict[int, int] = {
+            w: kwargs["disk_blocks_per_window"].get(w, 0) for w in self.window_sizes
+        }
 
     @classmethod
     def from_blocks(
         cls,
         model: ModelConfig,
         config: KvCacheConfig,
-        blocks_per_window: Mapping[int, int | tuple[int, int]],
+        blocks_per_window: Mapping[int, int | tuple[int, int] | tuple[int, int, int]],
         *,
         max_seq_len: int,
         max_batch_size: int,
@@ -377,8 +398,9 @@ class KVCacheManager(_core.KVCacheManager):
         Args:
             model: Shape of the model's KV cache.
             config: Cache configuration (its memory-budget fields are not used).
-            blocks_per_window: Window -> primary count, or (primary, secondary); the keys must
-                equal ``kvcache.window_sizes(model, config, max_seq_len)``.
+            blocks_per_window: Window -> primary count, (primary, secondary) or (primary,
+                secondary, disk); the keys must equal ``kvcache.window_sizes(model, config,
+                max_seq_len)``. Disk blocks live in the disk tier (``config.disk_cache_dir``).
             max_seq_len: Longest sequence; required.
             max_batch_size: Most sequences registered at once.
             max_draft_tokens: See ``__init__``.
@@ -547,6 +569,11 @@ class KVCacheManager(_core.KVCacheManager):
             kind = d.pop("kind")
             out.append(KVCacheEvent(event_id, window, kind, d))
         return out
+
+    @property
+    def disk_blocks_per_window(self) -> dict[int, int]:
+        """Disk-tier blocks per window (0 without a disk tier), ascending window order."""
+        return dict(self._disk_blocks)
 
     def get_kv_cache_stats(self) -> KvCacheStats:
         """Occupancy and allocation counters (primary blocks, summed over windows)."""

@@ -3,7 +3,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -11,6 +13,7 @@
 #include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
 #include "kvcache/reuse_tree.h"
+#include "kvcache/secondary_tier.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
@@ -70,6 +73,22 @@ class WindowBlockManager {
   std::int64_t offloaded_blocks() const { return offloaded_; }
   std::int64_t onboarded_blocks() const { return onboarded_; }
 
+  /// Gives this window `num_disk` slots in `tier` below its secondary pool (call once, before
+  /// any other call). Disk slots are block ids [num_primary + num_secondary, num_blocks()): a
+  /// free cached secondary block that is about to be reused has its content written to a disk
+  /// slot (the least recently used one is dropped when none is free) instead of being dropped,
+  /// and a reuse hit on a disk slot onboards it into a primary block. `tier` may be null for a
+  /// backend without memory (bookkeeping only).
+  void AttachTier(std::int32_t num_disk, std::shared_ptr<SecondaryTier> tier);
+  std::int32_t num_disk() const { return num_disk_; }
+  /// Every block id of the window: primary, secondary, disk.
+  std::int32_t num_blocks() const { return num_primary_ + num_secondary_ + num_disk_; }
+  bool IsDisk(BlockId b) const { return b >= num_primary_ + num_secondary_; }
+  /// Cache level reported by events: 0 primary, 1 secondary (host), 2 disk.
+  int LevelOf(BlockId b) const { return IsPrimary(b) ? 0 : IsDisk(b) ? 2 : 1; }
+  std::int32_t NumFreeDisk() const { return static_cast<std::int32_t>(disk_free_.size()); }
+  std::int64_t spilled_blocks() const { return spilled_; }
+
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
   std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
@@ -99,8 +118,8 @@ class WindowBlockManager {
   void ForgetRelease(BlockId b, SeqId seq);
   /// Live sequences that released `b` out of window since its last Grant.
   const std::vector<SeqId>& Releasers(BlockId b) const { return releasers_[b]; }
-  /// Moves the content of claimed secondary block `s` into a Grant-ed primary block for `owner`
-  /// and relinks the tree node to it; releases `s`. Returns the primary block.
+  /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block for
+  /// `owner` and relinks the tree node to it; releases `s`. Returns the primary block.
   BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
                   std::vector<SeqId>* displaced);
   /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
@@ -128,6 +147,18 @@ class WindowBlockManager {
   void Requeue(BlockId b);
   void EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
                    std::optional<std::pair<int, int>> priority);
+  // Disk tier (window_disk_tier.cpp).
+  bool InPolicy(BlockId b) const { return !IsDisk(b) && policy_.Contains(b); }
+  /// Writes free cached secondary block `s` (out of the free queues) to a disk slot and relinks
+  /// its node there. False when there is no disk tier, the priority is too low or the write
+  /// was refused: the caller drops `s` then.
+  bool SpillToDisk(BlockId s);
+  void DiskQueue(BlockId d);    ///< Unreferenced disk slot: LRU if it caches content, else free.
+  void DiskUnqueue(BlockId d);  ///< Out of the LRU or the free list (being claimed).
+  /// Reads disk slot `d` into `buffer` (resized once); returns one segment per pool, into it.
+  std::vector<TierSegment> ReadDisk(BlockId d, std::vector<unsigned char>* buffer);
+  TierKey KeyOf(BlockId d) const;
+  void CheckDiskSlot(BlockId d) const;
 
   WindowSize window_;
   bool is_swa_;
@@ -158,6 +189,17 @@ class WindowBlockManager {
   std::int64_t offloaded_ = 0;
   std::int64_t onboarded_ = 0;
   EvictionPolicy policy_;
+  // Disk slots: an unreferenced slot sits in the LRU set (ordered by the stamp of its last
+  // queueing) when it caches content, in the free list otherwise.
+  std::int32_t num_disk_ = 0;
+  std::shared_ptr<SecondaryTier> tier_;
+  std::uint64_t disk_clock_ = 0;
+  std::vector<std::uint64_t> disk_stamp_;  // per disk slot: LRU stamp, 0 when not in the LRU
+  std::set<std::pair<std::uint64_t, BlockId>> disk_lru_;
+  std::vector<BlockId> disk_free_;
+  std::vector<bool> disk_in_free_;
+  std::vector<unsigned char> disk_buffer_;  // one block read from disk (kept: no re-allocation)
+  std::int64_t spilled_ = 0;
 };
 
 }  // namespace kvcache

@@ -10,6 +10,7 @@ prints it and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -74,6 +75,12 @@ def check_output_path(path: str, what: str) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if getattr(args, "disk_cache", None) and not args.host_cache:
+        raise ValueError(
+            "--disk-cache needs --host-cache: evicted blocks reach the disk tier from host memory"
+        )
+    if getattr(args, "disk_cache", None) and args.no_reuse:
+        raise ValueError("--disk-cache caches reusable blocks; it cannot be used with --no-reuse")
     if args.max_chunk_size is not None and args.no_chunked_prefill:
         raise ValueError(
             "--max-chunk-size limits prefill chunks; it cannot be used with "
@@ -190,8 +197,9 @@ def run_cli(args: argparse.Namespace) -> int:
         policies = list(SHARE_POLICIES)
         if shares is not None and shares not in policies:
             policies.append(shares)
+    disk_cache = getattr(args, "disk_cache", None) or 0
     for p in policies:  # every run's sizing is checked before the first one starts
-        simulation_blocks(trace, shares=p, **sizing)
+        simulation_blocks(trace, shares=p, disk_cache_bytes=disk_cache, **sizing)
 
     common: dict[str, Any] = {
         **sizing,
@@ -206,7 +214,15 @@ def run_cli(args: argparse.Namespace) -> int:
         "seed": args.seed or 0,
         "progress": sys.stderr if show else None,
     }
-    reports = [simulate(trace, shares=p, **common) for p in policies]
+    reports = [simulate(trace, shares=p, disk_cache_bytes=disk_cache, **common) for p in policies]
+    if disk_cache:  # the same runs without the disk tier: what it adds
+        reports = [
+            dataclasses.replace(
+                r,
+                cache_hit_rate_without_disk=simulate(trace, shares=p, **common).cache_hit_rate,
+            )
+            for p, r in zip(policies, reports, strict=True)
+        ]
     for r in reports:
         if r.completed == 0 and r.rejected == r.requests:
             raise ValueError(_all_rejected(r, trace))

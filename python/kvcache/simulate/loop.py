@@ -86,6 +86,7 @@ class _Setup:
     blocks: dict[int, tuple[int, int]]
     share_text: str
     expected_seq_len: int | None
+    disk: dict[int, int]
 
 
 def _setup(
@@ -100,6 +101,7 @@ def _setup(
     swa_reuse_policy: str,
     host_cache_bytes: int,
     expected_seq_len: int | None,
+    disk_cache_bytes: int = 0,
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
@@ -114,6 +116,7 @@ def _setup(
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
         host_cache_size=host_cache_bytes,
+        disk_cache_size=disk_cache_bytes,
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
     share_text = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
@@ -127,18 +130,25 @@ def _setup(
     blocks = blocks_per_window(
         preset.model, config, seq_len, memory, host_cache_bytes, expected_seq_len=expected
     )
-    total_blocks = sum(p + s for p, s in blocks.values())
+    disk = {w: 0 for w in blocks}
+    if disk_cache_bytes:  # split over the windows like the host cache
+        sized = blocks_per_window(
+            preset.model, config, seq_len, memory, disk_cache_bytes, expected_seq_len=expected
+        )
+        disk = {w: c[1] for w, c in sized.items()}
+    total_blocks = sum(p + s + disk[w] for w, (p, s) in blocks.items())
     if total_blocks > MAX_SIMULATED_BLOCKS:
         raise ValueError(
             f"{format_size(memory)} of primary"
             + (f" and {format_size(host_cache_bytes)} of host" if host_cache_bytes else "")
+            + (f" and {format_size(disk_cache_bytes)} of disk" if disk_cache_bytes else "")
             + f" memory make {total_blocks:,} blocks; the manager keeps about "
             f"{BOOKKEEPING_BYTES_PER_BLOCK} bytes of bookkeeping per block, so a simulation "
             f"is limited to {MAX_SIMULATED_BLOCKS:,} blocks "
             f"({format_size(MAX_SIMULATED_BLOCKS * BOOKKEEPING_BYTES_PER_BLOCK)}); "
             "give less memory or more tokens per block"
         )
-    return _Setup(preset, config, memory, seq_len, blocks, share_text, expected)
+    return _Setup(preset, config, memory, seq_len, blocks, share_text, expected, disk)
 
 
 def simulation_blocks(
@@ -151,6 +161,7 @@ def simulation_blocks(
     tokens_per_block: int = 32,
     host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
+    disk_cache_bytes: int = 0,
 ) -> dict[int, tuple[int, int]]:
     """The ``(primary, secondary)`` blocks per window that :func:`simulate` would use.
 
@@ -171,6 +182,7 @@ def simulation_blocks(
         swa_reuse_policy="placeholder",
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
+        disk_cache_bytes=disk_cache_bytes,
     ).blocks
 
 
@@ -194,6 +206,7 @@ def simulate(
     draft_tokens: int = 0,
     draft_acceptance: float = 0.6,
     seed: int = 0,
+    disk_cache_bytes: int = 0,
     check_invariants: bool = False,
     progress: TextIO | None = None,
 ) -> SimulationReport:
@@ -222,6 +235,8 @@ def simulate(
             request reclaimed.
         host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
             config's ``host_cache_size``; 0: none).
+        disk_cache_bytes: Disk tier below the host cache (the config's
+            ``disk_cache_size``; needs ``host_cache_bytes``; 0: none).
         expected_seq_len: Typical sequence length for the ``"auto"`` share policy
             (default: the workload's mean prompt + output length).
         draft_tokens: Draft tokens proposed per generation step (speculative decoding).
@@ -249,13 +264,14 @@ def simulate(
         swa_reuse_policy=swa_reuse_policy,
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
+        disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
     )
     preset, config, seq_len, blocks = setup.preset, setup.config, setup.seq_len, setup.blocks
     memory, expected = setup.memory, setup.expected_seq_len
     manager = KVCacheManager.from_blocks(
         preset.model,
         config,
-        blocks,
+        {w: (p, s, setup.disk[w]) for w, (p, s) in blocks.items()},
         max_seq_len=seq_len,
         max_batch_size=max_batch_size,
         max_draft_tokens=draft_tokens,
@@ -429,6 +445,7 @@ def simulate(
         },
         swa_reuse_policy=swa_reuse_policy,
         host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
+        disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
         reuse_enabled=enable_block_reuse,
         expected_seq_len=expected,

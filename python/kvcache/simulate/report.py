@@ -83,6 +83,9 @@ class SimulationReport:
     cache_hit_rate_per_window: dict[int, float] = field(default_factory=dict)
     swa_reuse_policy: str = "placeholder"
     host_cache_bytes: int = 0
+    disk_cache_bytes: int = 0
+    #: The hit rate of the same run without the disk tier (``kvcache simulate --disk-cache``).
+    cache_hit_rate_without_disk: float | None = None
     secondary_blocks: dict[int, int] = field(default_factory=dict)
     reuse_enabled: bool = True
     expected_seq_len: int | None = None
@@ -145,6 +148,7 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
         + (
             f"on (sliding windows: {r.swa_reuse_policy}), host cache "
             + (format_size(r.host_cache_bytes) if r.host_cache_bytes else "none")
+            + (f", disk cache {format_size(r.disk_cache_bytes)}" if r.disk_cache_bytes else "")
             if r.reuse_enabled
             else "off"
         ),
@@ -201,6 +205,12 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
                 else " (no host cache: --host-cache SIZE)"
             ),
         ]
+        if r.disk_cache_bytes and r.cache_hit_rate_without_disk is not None:
+            gain = 100 * (r.cache_hit_rate - r.cache_hit_rate_without_disk)
+            lines.append(
+                f"  disk tier           hit rate {r.cache_hit_rate:.1%} with it, "
+                f"{r.cache_hit_rate_without_disk:.1%} without it ({gain:+.1f} pp)"
+            )
     lines.append(f"  wall time           {r.wall_seconds:.1f} s")
     return "\n".join(lines)
 
