@@ -131,7 +131,7 @@ class KVCacheEvent:
     (``data["parent_hash"]``, ``data["blocks"]``: dicts with ``block_hash``, ``tokens``,
     ``lora_task_id``, ``cache_level``, ``priority``), ``"removed"`` (``data["block_hashes"]``)
     or ``"updated"`` (``data["block_hash"]``, ``data["cache_level"]`` and ``data["priority"]``
-    as ``(old, new)`` or ``None``).
+    as ``(old, new)`` or ``None``). Cache levels: 0 primary, 1 secondary (host), 2 disk tier.
     """
 
     event_id: int

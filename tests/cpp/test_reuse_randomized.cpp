@@ -1,5 +1,6 @@
-// Seeded randomized operations with reuse on, priorities, a secondary pool and both sliding
-// window reuse policies, over windows {8, 16, full}. After every operation the invariants hold;
+// Seeded randomized operations with reuse on, priorities, a secondary pool (and, in two of
+// the variants, a disk tier below it) and both sliding window reuse policies, over windows
+// {8, 16, full}. After every operation the invariants hold;
 // a failing call changes nothing; and on the host backend every reused token position holds
 // exactly the KV written for that token prefix (K and V are tagged with a hash of the prefix).
 #include <gtest/gtest.h>
@@ -35,7 +36,12 @@ std::uint32_t Mix(std::uint32_t h, std::uint32_t v) {
   return static_cast<std::uint32_t>(x >> 32) | 1u;  // never 0 (fresh memory is 0)
 }
 
-class ReuseRandomizedTest : public ::testing::TestWithParam<SwaReusePolicy> {
+struct Variant {
+  SwaReusePolicy policy;
+  std::int32_t disk_blocks;  ///< Disk-tier blocks per window (0: no disk tier).
+};
+
+class ReuseRandomizedTest : public ::testing::TestWithParam<Variant> {
  protected:
   // Element of window w's layer for (block, kv, position-in-block): one head, head_dim 1, fp32.
   std::uint32_t* Slot(KVCacheManager& m, std::size_t w, BlockId b, int kv, std::int32_t t) {
@@ -58,20 +64,27 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
   ManagerConfig c = testing::Config({8, 16, 0}, kMaxSeqLen, {{8, 24}, {16, 30}, {64, 60}}, kTpb);
   for (auto& kv : c.blocks_per_window) kv.second.secondary = 8;
   c.enable_block_reuse = true;
-  c.swa_reuse_policy = GetParam();
+  c.swa_reuse_policy = GetParam().policy;
+  for (auto& kv : c.blocks_per_window) {
+    if (GetParam().disk_blocks > 0) c.disk_blocks_per_window[kv.first] = GetParam().disk_blocks;
+  }
   c.max_draft_tokens = 2;
   c.event_buffer_max_size = 1 << 20;  // never drops: the stream must mirror the tree exactly
   ModelSpec model = testing::Model(3, {1}, 1);
   model.dtype = DType::kFloat32;
   KVCacheManager m(model, c);
   m.SetFakeTimeMs(0);
-  std::mt19937 rng(GetParam() == SwaReusePolicy::kInvalidate ? 7u : 8u);
+  std::mt19937 rng((GetParam().policy == SwaReusePolicy::kInvalidate ? 7u : 8u) +
+                   (GetParam().disk_blocks > 0 ? 10u : 0u));
   std::vector<std::vector<TokenId>> bases(4);
   for (auto& base : bases) {
     for (int i = 0; i < 40; ++i) base.push_back(static_cast<TokenId>(rng() % 6));
   }
   std::map<SeqId, Live> live;
   std::map<WindowSize, std::set<std::uint64_t>> mirror;
+  std::map<WindowSize, std::map<std::uint64_t, int>> level;  // cache level of each cached block
+  std::int64_t spills = 0;
+  std::int64_t disk_onboards = 0;
   SeqId next_id = 0;
   std::int64_t now = 0;
   int failures = 0;
@@ -178,11 +191,24 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     for (const KVCacheEvent& e : m.GetLatestEvents(0)) {
       auto& cached = mirror[e.window_size];
       if (e.kind == EventKind::kStored) {
-        for (const StoredBlock& b : e.blocks) ASSERT_TRUE(cached.insert(b.hash).second) << "op " << op;
+        for (const StoredBlock& b : e.blocks) {
+          ASSERT_TRUE(cached.insert(b.hash).second) << "op " << op;
+          level[e.window_size][b.hash] = b.cache_level;
+        }
       } else if (e.kind == EventKind::kRemoved) {
-        for (const std::uint64_t h : e.hashes) ASSERT_EQ(cached.erase(h), 1u) << "op " << op;
+        for (const std::uint64_t h : e.hashes) {
+          ASSERT_EQ(cached.erase(h), 1u) << "op " << op;
+          level[e.window_size].erase(h);
+        }
       } else if (e.kind == EventKind::kUpdated) {
         ASSERT_EQ(cached.count(e.hash), 1u) << "op " << op;
+        if (e.cache_level.has_value()) {
+          const auto [from, to] = *e.cache_level;
+          ASSERT_EQ(level[e.window_size][e.hash], from) << "op " << op;
+          level[e.window_size][e.hash] = to;
+          spills += from == 1 && to == 2;
+          disk_onboards += from == 2 && to == 0;
+        }
       }
     }
     if (op % 50 == 0) {
@@ -198,16 +224,26 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
   EXPECT_GT(reused_tokens_checked, 10000);
   EXPECT_GT(m.GetStats().offloaded_blocks, 0);
   EXPECT_GT(m.GetStats().onboarded_blocks, 0);
+  if (GetParam().disk_blocks > 0) {
+    EXPECT_GT(spills, 0);
+    EXPECT_GT(disk_onboards, 0);  // and every reused position above held its exact bytes
+  } else {
+    EXPECT_EQ(spills, 0);
+  }
   for (const auto& kv : live) m.RemoveSequence(kv.first);
   for (const auto& [w, counts] : c.blocks_per_window) EXPECT_EQ(m.GetNumFreeBlocks(w), counts.primary);
   m.CheckInvariants();
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ReuseRandomizedTest,
-                         ::testing::Values(SwaReusePolicy::kInvalidate, SwaReusePolicy::kPlaceholder),
-                         [](const ::testing::TestParamInfo<SwaReusePolicy>& param) {
-                           return std::string(param.param == SwaReusePolicy::kInvalidate ? "invalidate"
-                                                                                         : "placeholder");
+                         ::testing::Values(Variant{SwaReusePolicy::kInvalidate, 0},
+                                           Variant{SwaReusePolicy::kPlaceholder, 0},
+                                           Variant{SwaReusePolicy::kInvalidate, 12},
+                                           Variant{SwaReusePolicy::kPlaceholder, 12}),
+                         [](const ::testing::TestParamInfo<Variant>& param) {
+                           return std::string(param.param.policy == SwaReusePolicy::kInvalidate ? "invalidate"
+                                                                                                : "placeholder") +
+                                  (param.param.disk_blocks > 0 ? "_disk" : "");
                          });
 
 }  // namespace
