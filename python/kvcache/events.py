@@ -19,9 +19,10 @@ Wire format (vLLM's ``vllm/distributed/kv_events.py``):
   :func:`wire_schema` with ``array_like=False`` gives the map form newer vLLM releases use
   for events (``{"type": "BlockStored", ...}``), for
   consumers that expect it (``event_format="map"``).
-* replay: a ROUTER socket takes ``[identity, b"", start_seq]`` (a DEALER or REQ client sends
-  ``[b"", start_seq]`` or ``[start_seq]``) and answers with ``[identity, b"", seq, payload]``
-  for every buffered batch from ``start_seq`` on, then the end marker
+* replay: a ROUTER socket takes ``[identity, b"", start_seq]`` (a DEALER client sends
+  ``[b"", start_seq]``; a REQ client's request arrives the same way, but REQ accepts only
+  the first answer) and answers with ``[identity, b"", seq, payload]`` for every buffered
+  batch from ``start_seq`` on, then the end marker
   ``[identity, b"", (-1 as 8 signed big-endian bytes), b""]``.
 
 Field values: ``block_hashes`` are kvcache's chained 64-bit block keys (unsigned ints);
