@@ -488,7 +488,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
     MaxSeqLen max_seq_len, MaxBatchSize max_batch_size, const BlocksPerWindow& blocks_per_window,
     const std::string& backend, MaxDraftTokens max_draft_tokens, bool enable_block_reuse, bool enable_partial_reuse,
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
-    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy) {
+    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy, bool protect_reused_blocks) {
   ModelSpec model;
   model.num_layers = num_layers;
   model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
@@ -512,6 +512,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
   config.secondary_offload_min_priority = secondary_offload_min_priority;
   config.event_buffer_max_size = event_buffer_max_size;
   config.swa_reuse_policy = ParseSwaReusePolicy(swa_reuse_policy);
+  config.protect_hit_blocks = protect_reused_blocks;
   pybind11::gil_scoped_release release;
   return std::make_unique<KVCacheManager>(model, config);
 }
@@ -587,7 +588,8 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("max_draft_tokens") = 0, pybind11::arg("enable_block_reuse") = false,
           pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
           pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
-          pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder");
+          pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder",
+          pybind11::arg("protect_reused_blocks") = true);
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)

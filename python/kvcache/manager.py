@@ -249,6 +249,7 @@ def _native_kwargs(
         "secondary_offload_min_priority": config.secondary_offload_min_priority,
         "event_buffer_max_size": config.event_buffer_max_size,
         "swa_reuse_policy": config.swa_reuse_policy,
+        "protect_reused_blocks": config.protect_reused_blocks,
     }
 
 

@@ -71,6 +71,9 @@ struct ManagerConfig {
   int secondary_offload_min_priority = 30;
   std::size_t event_buffer_max_size = 0;  ///< 0: no events.
   SwaReusePolicy swa_reuse_policy = SwaReusePolicy::kPlaceholder;
+  /// Segmented LRU: a cached block that served a reuse hit is evicted only after the blocks of
+  /// its priority that never did (false: plain LRU per priority).
+  bool protect_hit_blocks = true;
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.
