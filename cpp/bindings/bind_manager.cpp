@@ -491,7 +491,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
     MaxSeqLen max_seq_len, MaxBatchSize max_batch_size, const BlocksPerWindow& blocks_per_window,
     const std::string& backend, MaxDraftTokens max_draft_tokens, bool enable_block_reuse, bool enable_partial_reuse,
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
-    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy,
+    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy, bool protect_reused_blocks,
     const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir) {
   ModelSpec model;
   model.num_layers = num_layers;
@@ -516,6 +516,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
   config.secondary_offload_min_priority = secondary_offload_min_priority;
   config.event_buffer_max_size = event_buffer_max_size;
   config.swa_reuse_policy = ParseSwaReusePolicy(swa_reuse_policy);
+  config.protect_hit_blocks = protect_reused_blocks;
   for (const auto& [w, count] : disk_blocks_per_window) config.disk_blocks_per_window[w] = count;
   config.disk_cache_dir = disk_cache_dir;
   pybind11::gil_scoped_release release;
@@ -594,6 +595,7 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
           pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
           pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder",
+          pybind11::arg("protect_reused_blocks") = true,
           pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "");
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)

@@ -9,15 +9,10 @@ EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_second
       links_(static_cast<std::size_t>(num_primary + num_secondary)) {
   head_.fill(kNullBlock);
   tail_.fill(kNullBlock);
+  protected_cap_ = {num_primary / 2, num_secondary / 2};
 }
 
-void EvictionPolicy::Push(BlockId b, int priority, bool to_front) {
-  KVC_CHECK(links_[b].queue < 0, detail::Concat("block ", b, " is already free"));
-  KVC_CHECK(priority == kScratch || (priority >= kMinPriority && priority <= kMaxPriority),
-            "priority out of range");
-  const CacheLevel level = LevelOf(b);
-  const int slot = priority + 1;
-  const int q = QueueIndex(level, slot);
+void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
   links_[b].queue = static_cast<std::int16_t>(q);
   if (head_[q] == kNullBlock) {
     links_[b].prev = links_[b].next = kNullBlock;
@@ -33,14 +28,15 @@ void EvictionPolicy::Push(BlockId b, int priority, bool to_front) {
     links_[tail_[q]].next = b;
     tail_[q] = b;
   }
-  const int lv = static_cast<int>(level);
+  const int lv = q / kQueuesPerLevel;
+  const int slot = q % kQueuesPerLevel;
   occupied_[lv][slot >> 6] |= std::uint64_t{1} << (slot & 63);
   ++num_free_[lv];
+  if (IsProtectedSlot(slot)) ++num_protected_[lv];
 }
 
-void EvictionPolicy::Remove(BlockId b) {
+void EvictionPolicy::Erase(BlockId b) {
   const int q = links_[b].queue;
-  KVC_CHECK(q >= 0, detail::Concat("block ", b, " is not free"));
   if (links_[b].prev != kNullBlock) {
     links_[links_[b].prev].next = links_[b].next;
   } else {
@@ -57,16 +53,44 @@ void EvictionPolicy::Remove(BlockId b) {
   const int slot = q % kQueuesPerLevel;
   if (head_[q] == kNullBlock) occupied_[lv][slot >> 6] &= ~(std::uint64_t{1} << (slot & 63));
   --num_free_[lv];
+  if (IsProtectedSlot(slot)) --num_protected_[lv];
+}
+
+BlockId EvictionPolicy::Push(BlockId b, int priority, bool to_front, bool protect) {
+  KVC_CHECK(links_[b].queue < 0, detail::Concat("block ", b, " is already free"));
+  KVC_CHECK(priority == kScratch || (priority >= kMinPriority && priority <= kMaxPriority),
+            "priority out of range");
+  const CacheLevel level = LevelOf(b);
+  const int lv = static_cast<int>(level);
+  const int slot = Slot(priority, protect && priority != kScratch);
+  const int q = QueueIndex(level, slot);
+  Insert(b, q, to_front);
+  if (!IsProtectedSlot(slot) || num_protected_[lv] <= protected_cap_[lv]) return kNullBlock;
+  const BlockId oldest = head_[q];  // may be b itself when the cap is 0
+  Erase(oldest);
+  Insert(oldest, q - 1, /*to_front=*/false);
+  return oldest;
+}
+
+void EvictionPolicy::Remove(BlockId b) {
+  KVC_CHECK(links_[b].queue >= 0, detail::Concat("block ", b, " is not free"));
+  Erase(b);
 }
 
 int EvictionPolicy::QueuedPriority(BlockId b) const {
   KVC_CHECK(links_[b].queue >= 0, "block is not free");
-  return links_[b].queue % kQueuesPerLevel - 1;
+  const int slot = links_[b].queue % kQueuesPerLevel;
+  return slot == 0 ? kScratch : (slot - 1) / 2;
+}
+
+bool EvictionPolicy::QueuedProtected(BlockId b) const {
+  KVC_CHECK(links_[b].queue >= 0, "block is not free");
+  return IsProtectedSlot(links_[b].queue % kQueuesPerLevel);
 }
 
 BlockId EvictionPolicy::Peek(CacheLevel level) const {
   const int lv = static_cast<int>(level);
-  for (int word = 0; word < 2; ++word) {
+  for (int word = 0; word < kMaskWords; ++word) {
     const std::uint64_t bits = occupied_[lv][word];
     if (bits != 0) {
       const int slot = word * 64 + __builtin_ctzll(bits);

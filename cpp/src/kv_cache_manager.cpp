@@ -127,6 +127,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     options.cascade_on_evict = !swa || swa_policy_ == SwaReusePolicy::kInvalidate;
     options.onboard_blocks = config.onboard_blocks;
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
+    options.protect_hit_blocks = config.protect_hit_blocks;
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
                                                             counts.primary, counts.secondary, backend_.get(),
                                                             tree_.get(), options, events_.get()));
@@ -252,6 +253,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
     case Handout::kShare:
       KVC_DCHECK(slot == kNullBlock, "shared block for an occupied position");
       wm.Claim(b);
+      wm.MarkHit(b);
       if (seq.explicit_priority && wm.IsPrimary(b)) wm.SetPriority(b, priority, expiry);
       slot = b;
       break;

@@ -1,6 +1,8 @@
 // KVCacheManager, reuse half: planning a prefix hit, storing chains, pins, events, priorities.
 #include <algorithm>
+#include <array>
 #include <utility>
+#include <vector>
 
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
@@ -13,6 +15,8 @@ std::int32_t CommonPrefix(const TokenId* a, const TokenId* b, std::int32_t n) {
   while (i < n && a[i] == b[i]) ++i;
   return i;
 }
+
+constexpr std::size_t kMaxWindowsOnStack = 16;
 
 }  // namespace
 
@@ -28,6 +32,7 @@ KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::
   const std::int32_t num_full = key_len / tpb_;
   NodeId node = ReuseTree::kRoot;
   std::uint64_t hash = 0;
+  plan.path.reserve(static_cast<std::size_t>(num_full));
   for (std::int32_t d = 0; d < num_full; ++d) {
     const TokenId* t = tokens + static_cast<std::ptrdiff_t>(d) * tpb_;
     const auto i = static_cast<std::size_t>(d);
@@ -40,38 +45,45 @@ KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::
     hash = h;
   }
   // The longest block-aligned prefix every window can serve: a full-attention window needs every
-  // block before it, a sliding window only those covering its last `window` tokens.
+  // block before it, a sliding window only those covering its last `window` tokens. One pass:
+  // last_gap[w] is the last position below p that window w lacks; prefix p is served when every
+  // sliding window's gap lies before the first block it needs at p.
   auto full = static_cast<std::int32_t>(plan.path.size());
-  std::vector<std::vector<std::int32_t>> runs(nw);  // sliding windows: present blocks ending at i
   for (std::size_t w = 0; w < nw; ++w) {
+    if (windows_[w]->is_swa()) continue;
     const auto wi = static_cast<std::int32_t>(w);
-    if (!windows_[w]->is_swa()) {
-      for (std::int32_t i = 0; i < full; ++i) {
-        if (tree_->Block(plan.path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
-          full = i;
-          break;
-        }
+    for (std::int32_t i = 0; i < full; ++i) {
+      if (tree_->Block(plan.path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
+        full = i;
+        break;
       }
     }
   }
-  for (std::size_t w = 0; w < nw; ++w) {
-    if (!windows_[w]->is_swa()) continue;
-    auto& run = runs[w];
-    run.resize(static_cast<std::size_t>(full));
+  const bool any_swa = std::any_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
+  if (any_swa && full > 0) {
+    std::array<std::int32_t, kMaxWindowsOnStack> gaps_on_stack;
+    std::vector<std::int32_t> gaps_on_heap;
+    std::int32_t* last_gap = gaps_on_stack.data();
+    if (nw > kMaxWindowsOnStack) {
+      gaps_on_heap.resize(nw);
+      last_gap = gaps_on_heap.data();
+    }
+    std::fill(last_gap, last_gap + nw, -1);
+    std::int32_t best = 0;
     for (std::int32_t i = 0; i < full; ++i) {
-      const bool present = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)) != kNullBlock;
-      run[static_cast<std::size_t>(i)] = present ? (i > 0 ? run[static_cast<std::size_t>(i - 1)] : 0) + 1 : 0;
+      const NodeId nd = plan.path[static_cast<std::size_t>(i)];
+      bool served = true;
+      for (std::size_t w = 0; w < nw; ++w) {
+        if (!windows_[w]->is_swa()) continue;
+        if (tree_->Block(nd, static_cast<std::int32_t>(w)) == kNullBlock) last_gap[w] = i;
+        const std::int32_t p = i + 1;
+        const std::int32_t first_needed = std::max(0, p * tpb_ - window_sizes_[w]) / tpb_;
+        if (last_gap[w] >= first_needed) served = false;
+      }
+      if (served) best = i + 1;
     }
+    full = best;
   }
-  auto serves = [&](std::int32_t p) {
-    for (std::size_t w = 0; w < nw; ++w) {
-      if (!windows_[w]->is_swa() || p == 0) continue;
-      const std::int32_t first_needed = std::max(0, p * tpb_ - window_sizes_[w]) / tpb_;
-      if (runs[w][static_cast<std::size_t>(p - 1)] < p - first_needed) return false;
-    }
-    return true;
-  };
-  while (full > 0 && !serves(full)) --full;
   plan.full_blocks = full;
   plan.reused_tokens = full * tpb_;
   if (!partial_reuse_) return plan;

@@ -67,9 +67,24 @@ int WindowBlockManager::QueuePriority(BlockId b) const {
   return state_[b].node != kNoNode ? state_[b].priority : EvictionPolicy::kScratch;
 }
 
+bool WindowBlockManager::QueueProtected(BlockId b) const {
+  return options_.protect_hit_blocks && state_[b].hit && state_[b].node != kNoNode;
+}
+
+void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
+  const BlockId demoted = policy_.Push(b, QueuePriority(b), to_front, QueueProtected(b));
+  if (demoted != kNullBlock) state_[demoted].hit = false;
+}
+
 void WindowBlockManager::Requeue(BlockId b) {
   policy_.Remove(b);
-  policy_.Push(b, QueuePriority(b));
+  Enqueue(b);
+}
+
+void WindowBlockManager::MarkHit(BlockId b) {
+  if (state_[b].hit || state_[b].node == kNoNode) return;
+  state_[b].hit = true;
+  if (InPolicy(b)) Requeue(b);
 }
 
 void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
@@ -102,6 +117,7 @@ BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int
     state_[b].has_releasers = false;
   }
   state_[b].ref_count = 1;
+  state_[b].hit = false;
   state_[b].owner = owner;
   ++state_[b].generation;
   state_[b].priority = static_cast<std::int8_t>(priority);
@@ -145,9 +161,11 @@ void WindowBlockManager::EvictCached(BlockId victim) {
   state_[s].node = n;
   state_[victim].node = kNoNode;
   state_[s].priority = state_[victim].priority;
+  state_[s].hit = state_[victim].hit;
+  state_[victim].hit = false;
   if (state_[s].expiry_ms == 0 && state_[victim].expiry_ms != 0) timed_.push_back(s);
   state_[s].expiry_ms = state_[victim].expiry_ms;
-  policy_.Push(s, state_[s].priority);
+  Enqueue(s);
   ++offloaded_;
   EmitUpdated(s, std::make_pair(0, 1), std::nullopt);
 }
@@ -172,8 +190,7 @@ void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
   if (--state_[b].ref_count == 0 && IsDisk(b)) {
     DiskQueue(b);
   } else if (state_[b].ref_count == 0) {
-    const int q = QueuePriority(b);
-    policy_.Push(b, q, to_front && q == EvictionPolicy::kScratch);
+    Enqueue(b, to_front && QueuePriority(b) == EvictionPolicy::kScratch);
   }
 }
 
@@ -212,7 +229,9 @@ BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::i
   if (n != kNoNode) {
     tree_->SetBlock(n, index_, p);
     state_[p].node = n;
+    state_[p].hit = true;  // an onboard is a hit
     state_[s].node = kNoNode;
+    state_[s].hit = false;
     EmitUpdated(p, std::make_pair(LevelOf(s), 0), std::nullopt);
   }
   ++onboarded_;
@@ -258,6 +277,7 @@ void WindowBlockManager::Drop(BlockId b) {
     if (IsDisk(x) && tier_ != nullptr && state_[x].ref_count == 0) tier_->Erase(KeyOf(x));
     tree_->SetBlock(m, index_, kNullBlock);
     state_[x].node = kNoNode;
+    state_[x].hit = false;
     if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
     if (InPolicy(x)) {
       Requeue(x);  // now holds nothing reusable: scratch
@@ -318,6 +338,9 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
       KVC_CHECK(policy_.QueuedPriority(b) == QueuePriority(b),
                 detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",
                                policy_.QueuedPriority(b), " instead of ", QueuePriority(b)));
+      KVC_CHECK(policy_.QueuedProtected(b) == QueueProtected(b),
+                detail::Concat("window ", window_, ": free block ", b, " is in the wrong ",
+                               policy_.QueuedProtected(b) ? "(protected)" : "(probation)", " queue"));
     }
     if (state_[b].node != kNoNode) {
       KVC_CHECK(tree_->Alive(state_[b].node) && tree_->Block(state_[b].node, index_) == b,

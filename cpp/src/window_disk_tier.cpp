@@ -85,6 +85,8 @@ bool WindowBlockManager::SpillToDisk(BlockId s) {
   state_[s].node = kNoNode;
   state_[d].priority = state_[s].priority;
   state_[d].expiry_ms = 0;
+  state_[d].hit = false;  // the disk tier is plain LRU; an onboard marks the hit again
+  state_[s].hit = false;
   DiskQueue(d);
   ++spilled_;
   EmitUpdated(d, std::make_pair(1, 2), std::nullopt);

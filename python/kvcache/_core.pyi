@@ -117,6 +117,7 @@ class KVCacheManager:
         secondary_offload_min_priority: typing.SupportsIndex = 30,
         event_buffer_max_size: typing.SupportsIndex = 0,
         swa_reuse_policy: str = "placeholder",
+        protect_reused_blocks: bool = True,
         disk_blocks_per_window: collections.abc.Mapping[
             typing.SupportsIndex, typing.SupportsIndex
         ] = {},

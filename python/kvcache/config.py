@@ -345,6 +345,10 @@ class KvCacheConfig:
         event_buffer_max_size: Events kept for ``get_latest_events`` (0 disables events).
         swa_reuse_policy: ``"placeholder"`` (default: a reclaimed out-of-window block leaves
             a placeholder and the rest of the chain stays reusable) or ``"invalidate"``.
+        protect_reused_blocks: Segmented LRU (default): a cached block that served a reuse
+            hit is evicted only after the cached blocks of its priority that never did, so a
+            stream of prompts seen once cannot flush a prefix that requests keep sharing (at
+            most half of a pool is protected). ``False``: plain LRU within each priority.
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.
@@ -378,6 +382,7 @@ class KvCacheConfig:
     window_size_shares: str | Sequence[float] | None = None
     event_buffer_max_size: int = 0
     swa_reuse_policy: str = "placeholder"
+    protect_reused_blocks: bool = True
     backend: str = "auto"
     expected_seq_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -424,6 +429,7 @@ class KvCacheConfig:
             "enable_partial_reuse",
             "copy_on_partial_reuse",
             "onboard_blocks",
+            "protect_reused_blocks",
         ):
             _bool(name, getattr(self, name))
         _priority("secondary_offload_min_priority", self.secondary_offload_min_priority)

@@ -252,6 +252,7 @@ def _native_kwargs(
         "secondary_offload_min_priority": config.secondary_offload_min_priority,
         "event_buffer_max_size": config.event_buffer_max_size,
         "swa_reuse_policy": config.swa_reuse_policy,
+        "protect_reused_blocks": config.protect_reused_blocks,
         "disk_blocks_per_window": disk,
         "disk_cache_dir": config.disk_cache_dir or "",
     }

@@ -73,6 +73,52 @@ TEST(EvictionPolicyTest, HighestPriorityQueueIsReachable) {
   EXPECT_EQ(p.Peek(CacheLevel::kPrimary), 0);
 }
 
+TEST(EvictionPolicyTest, ProtectedAfterProbationOfTheSamePriority) {
+  EvictionPolicy p(8, 0);
+  p.Push(0, 35, false, /*protect=*/true);
+  p.Push(1, 35);
+  p.Push(2, 20, false, /*protect=*/true);
+  p.Push(3, 35);
+  p.Push(4, EvictionPolicy::kScratch, false, /*protect=*/true);  // scratch is never protected
+  // scratch, then priority 20 (its protected block), then 35 probation, then 35 protected
+  EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{4, 2, 1, 3, 0}));
+  EXPECT_EQ(p.NumProtected(CacheLevel::kPrimary), 2);
+  EXPECT_TRUE(p.QueuedProtected(0));
+  EXPECT_FALSE(p.QueuedProtected(1));
+  EXPECT_FALSE(p.QueuedProtected(4));
+  EXPECT_EQ(p.QueuedPriority(0), 35);
+  EXPECT_EQ(p.QueuedPriority(2), 20);
+  p.Remove(0);
+  EXPECT_EQ(p.NumProtected(CacheLevel::kPrimary), 1);
+  EXPECT_EQ(p.NumFree(CacheLevel::kPrimary), 4);
+}
+
+TEST(EvictionPolicyTest, ProtectedCapDemotesTheOldestOfThatPriority) {
+  EvictionPolicy p(6, 0);  // cap: 3 protected primary blocks
+  EXPECT_EQ(p.Push(0, 35, false, true), kNullBlock);
+  EXPECT_EQ(p.Push(1, 35, false, true), kNullBlock);
+  EXPECT_EQ(p.Push(2, 35), kNullBlock);
+  EXPECT_EQ(p.Push(3, 35, false, true), kNullBlock);
+  EXPECT_EQ(p.Push(4, 35, false, true), 0);  // a fourth: 0 goes to the back of probation
+  EXPECT_FALSE(p.QueuedProtected(0));
+  EXPECT_EQ(p.NumProtected(CacheLevel::kPrimary), 3);
+  EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{2, 0, 1, 3, 4}));
+  // Over the cap at a priority without other protected blocks: the block itself is demoted.
+  EXPECT_EQ(p.Push(5, 100, false, true), 5);
+  EXPECT_FALSE(p.QueuedProtected(5));
+  EXPECT_EQ(p.NumProtected(CacheLevel::kPrimary), 3);
+  EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{2, 0, 1, 3, 4, 5}));
+}
+
+TEST(EvictionPolicyTest, HighestProtectedQueueIsReachable) {
+  EvictionPolicy p(4, 0);
+  p.Push(1, 100, false, true);
+  EXPECT_EQ(p.Peek(CacheLevel::kPrimary), 1);  // slot 202 lives in the fourth mask word
+  EXPECT_TRUE(p.QueuedProtected(1));
+  p.Push(0, 100);
+  EXPECT_EQ(p.Peek(CacheLevel::kPrimary), 0);
+}
+
 TEST(EvictionPolicyTest, MisuseIsAnInternalError) {
   EvictionPolicy p(2, 0);
   p.Push(0, 35);

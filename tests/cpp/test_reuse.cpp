@@ -203,6 +203,39 @@ TEST(ReuseTest, EvictionOrderFollowsPriorityThenReleaseTime) {
   m.CheckInvariants();
 }
 
+// Segmented LRU: a prefix that served a hit outlives a stream of prompts seen once; plain LRU
+// (protect_hit_blocks off) lets the stream flush it.
+TEST(ReuseTest, HitPrefixOutlivesPromptsSeenOnce) {
+  for (const bool protect : {true, false}) {
+    SCOPED_TRACE(protect ? "segmented LRU" : "plain LRU");
+    ManagerConfig c = ReuseConfig({}, 64, {{64, 10}});
+    c.protect_hit_blocks = protect;
+    KVCacheManager m(Model(1), c);
+    const auto shared = Iota(9, 1000);
+    Add(m, 1, shared);  // blocks 0, 1 stored; 2 (one token) goes back to the scratch queue
+    m.RemoveSequence(1);
+    EXPECT_EQ(Add(m, 2, shared), 8);  // a hit on 0, 1; the next scratch block for the last token
+    EXPECT_EQ(m.GetCacheBlockIds(2, 64), (std::vector<BlockId>{0, 1, 3}));
+    m.RemoveSequence(2);
+    for (SeqId id = 3; id < 8; ++id) {  // five prompts seen once, 2 stored blocks each
+      Add(m, id, Iota(9, static_cast<TokenId>(100 * id)));
+      m.RemoveSequence(id);
+      m.CheckInvariants();
+    }
+    EXPECT_EQ(Reusable(m, shared), protect ? 8 : 0);
+    if (protect) {
+      // Free order: scratch, then the one-off prompts' blocks (oldest first), the hit prefix
+      // last (1 before 0: a sequence releases its newest block first); an allocation of all
+      // ten blocks takes it only at the very end.
+      Add(m, 8, Iota(40, 5000));
+      const auto ids = m.GetCacheBlockIds(8, 64);
+      EXPECT_EQ(ids.size(), 10u);
+      EXPECT_EQ(std::vector<BlockId>(ids.end() - 2, ids.end()), (std::vector<BlockId>{1, 0}));
+    }
+    m.CheckInvariants();
+  }
+}
+
 TEST(ReuseTest, TimedPriorityDecaysAtRefresh) {
   KVCacheManager m(Model(1), ReuseConfig({}, 64, {{64, 4}}));
   m.SetFakeTimeMs(1000);

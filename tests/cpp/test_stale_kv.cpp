@@ -685,6 +685,7 @@ struct ContentConfig {
   std::int32_t max_draft = 0;
   SwaReusePolicy policy = SwaReusePolicy::kPlaceholder;
   std::int32_t pool_slack = 0;  // extra primary blocks per window
+  bool plain_lru = false;       // protect_hit_blocks off
   std::uint64_t seed = 0;  // before KVCACHE_CONTENT_SEED is added
 
   std::uint64_t EffectiveSeed() const {
@@ -700,6 +701,7 @@ struct ContentConfig {
     os << (!partial_reuse ? "_nopartial" : copy_on_partial ? "_copy" : "_nocopy");
     os << "_sec" << secondary << "_draft" << max_draft;
     os << (policy == SwaReusePolicy::kInvalidate ? "_invalidate" : "_placeholder");
+    if (plain_lru) os << "_lru";
     return os.str();
   }
 };
@@ -726,6 +728,7 @@ std::vector<ContentConfig> ContentConfigs() {
         c.policy = (i / 4) % 2 == 0 ? SwaReusePolicy::kPlaceholder : SwaReusePolicy::kInvalidate;
         c.layers_per_window = 1 + static_cast<std::int32_t>((i / 3) % 2);
         c.pool_slack = static_cast<std::int32_t>(i % 3);
+        c.plain_lru = (i / 8) % 2 == 1;
         c.seed = 0x5eed0000u + i * 7919u;
         out.push_back(c);
       }
@@ -852,6 +855,7 @@ class ContentRun {
     m.copy_on_partial_reuse = c.copy_on_partial;
     m.max_draft_tokens = c.max_draft;
     m.swa_reuse_policy = c.policy;
+    m.protect_hit_blocks = !c.plain_lru;
     return m;
   }
 

@@ -118,6 +118,7 @@ def test_kv_defaults_match_api() -> None:
         "window_size_shares": None,
         "event_buffer_max_size": 0,
         "swa_reuse_policy": "placeholder",
+        "protect_reused_blocks": True,
         "backend": "auto",
         "expected_seq_len": None,
         "max_num_batched_tokens": 8192,

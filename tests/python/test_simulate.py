@@ -275,12 +275,16 @@ def _long_prompts(seed: int) -> list[TraceRequest]:
 
 
 @pytest.mark.parametrize(
-    ("seed", "memory_mib", "whole", "chunked"),
+    ("seed", "memory_mib", "whole", "chunked", "chunks"),
     [
-        # (pauses, completed, rejected, steps): same requests served in a third of the steps
-        (3, 448, (0, 12, 0, 2904), (0, 12, 0, 1033)),
-        # the 279-block window pool holds none of the longer prompts whole: rejected
-        (1, 384, (0, 6, 6, 443), (0, 12, 0, 1714)),
+        # (pauses, completed, rejected, steps): same requests served in a third of the steps;
+        # every prompt after the first reuses the 2,048-token system prompt, which leaves at
+        # most 7,867 tokens to prefill: one chunk each
+        (3, 448, (0, 12, 0, 2904), (0, 12, 0, 1032), 12),
+        # the 279-block window pool holds none of the longer prompts whole: rejected; two
+        # chunks for the first prompt (10,089 tokens, nothing cached yet) and for the three
+        # with more than 8,192 tokens beyond the system prompt
+        (1, 384, (0, 6, 6, 443), (0, 12, 0, 1714), 16),
     ],
 )
 def test_simulate_default_chunked_prefill_beats_whole_prompts(
@@ -288,6 +292,7 @@ def test_simulate_default_chunked_prefill_beats_whole_prompts(
     memory_mib: int,
     whole: tuple[int, int, int, int],
     chunked: tuple[int, int, int, int],
+    chunks: int,
 ) -> None:
     """gemma-3-1b, 512-token sliding window: a whole 5,000-12,000-token prompt needs 157-375
     blocks of the window's pool at once (and, beyond the 8,192-token budget, a step of its
@@ -303,7 +308,7 @@ def test_simulate_default_chunked_prefill_beats_whole_prompts(
     assert c.pause_events <= w.pause_events and c.completed >= w.completed
     assert (c.chunked_prefill, c.max_num_batched_tokens, c.max_chunk_size) == (True, 8192, 8192)
     assert (w.chunked_prefill, w.max_chunk_size) == (False, None)
-    assert c.prefill_chunks > c.completed  # prompts longer than 8,192 tokens ran in chunks
+    assert c.prefill_chunks == chunks
     assert "  chunked prefill (chunks <= 8,192 tokens), 8,192 tokens per step" in format_report(c)
     assert "  whole-prompt prefill, 8,192 tokens per step" in format_report(w)
 

@@ -12,26 +12,38 @@ namespace kvcache {
 /// Holds the free (unreferenced) blocks of one window and chooses which one to hand out next.
 ///
 /// Block ids [0, num_primary) are primary slots, [num_primary, num_primary + num_secondary)
-/// secondary slots; a block's level follows from its id. Every level has one queue per
-/// priority 0..100 plus a *scratch* queue (priority kScratch) for blocks that hold nothing
-/// reusable: those are always handed out first, so transient blocks never push cached content
-/// out. Inside a queue the order is release order (oldest first) unless pushed to the front.
-/// All operations are O(1) (the victim search scans a 128-bit occupancy mask).
+/// secondary slots; a block's level follows from its id. Every level has a *scratch* queue
+/// (priority kScratch) for blocks that hold nothing reusable: those are always handed out first,
+/// so transient blocks never push cached content out. Then, per priority 0..100, two queues: a
+/// *probation* queue for cached blocks that never served a reuse hit and a *protected* queue
+/// for those that did (segmented LRU: a stream of blocks written once cannot flush a prefix
+/// that requests keep reusing). Lower priorities go first; inside one priority probation before
+/// protected. At most `protected_cap` blocks of a level sit in protected queues: pushing one more
+/// demotes the oldest protected block of the same priority to the back of its probation queue.
+/// Inside a queue the order is release order (oldest first) unless pushed to the front.
+/// All operations are O(1) (the victim search scans a 256-bit occupancy mask).
 /// Not thread-safe; the owning manager serializes access.
 class EvictionPolicy {
  public:
   static constexpr int kScratch = -1;  ///< Priority of blocks without reusable content.
 
+  /// `protected_cap` per level: by default half of the level's blocks.
   EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary);
 
-  /// Queues free block `b` at `priority` (kScratch or 0..100); at the back unless `to_front`.
-  void Push(BlockId b, int priority, bool to_front = false);
+  /// Queues free block `b` at `priority` (kScratch or 0..100), in the protected queue of that
+  /// priority if `protect`; at the back unless `to_front`. Returns the block demoted from
+  /// protected to probation to keep the level within its cap, or kNullBlock.
+  BlockId Push(BlockId b, int priority, bool to_front = false, bool protect = false);
   /// Removes queued block `b` (it is being claimed).
   void Remove(BlockId b);
   /// True if `b` is queued (free).
   bool Contains(BlockId b) const { return links_[b].queue >= 0; }
   /// Priority `b` is queued at (kScratch or 0..100); `b` must be queued.
   int QueuedPriority(BlockId b) const;
+  /// True if queued block `b` sits in a protected queue.
+  bool QueuedProtected(BlockId b) const;
+  /// Free blocks of `level` in protected queues.
+  std::int32_t NumProtected(CacheLevel level) const { return num_protected_[static_cast<int>(level)]; }
   /// The block to hand out next at `level` (lowest priority, oldest), or kNullBlock if none.
   BlockId Peek(CacheLevel level) const;
   /// Number of free blocks at `level`.
@@ -48,10 +60,18 @@ class EvictionPolicy {
   }
 
  private:
-  static constexpr int kQueuesPerLevel = kMaxPriority + 2;  // scratch + 0..100
+  // Slot 0: scratch; then (probation, protected) for each priority 0..100.
+  static constexpr int kQueuesPerLevel = 2 * (kMaxPriority + 1) + 1;
+  static constexpr int kMaskWords = (kQueuesPerLevel + 63) / 64;
   static int QueueIndex(CacheLevel level, int slot) {
     return static_cast<int>(level) * kQueuesPerLevel + slot;
   }
+  static int Slot(int priority, bool protect) {
+    return priority == kScratch ? 0 : 1 + 2 * priority + (protect ? 1 : 0);
+  }
+  static bool IsProtectedSlot(int slot) { return slot > 0 && slot % 2 == 0; }
+  void Insert(BlockId b, int q, bool to_front);
+  void Erase(BlockId b);
 
   std::int32_t num_primary_;
   struct Link {  // one per block: its neighbours and queue, together in memory
@@ -62,8 +82,10 @@ class EvictionPolicy {
   std::vector<Link> links_;
   std::array<BlockId, 2 * kQueuesPerLevel> head_;
   std::array<BlockId, 2 * kQueuesPerLevel> tail_;
-  std::array<std::array<std::uint64_t, 2>, 2> occupied_{};  // per level, bit per queue slot
+  std::array<std::array<std::uint64_t, kMaskWords>, 2> occupied_{};  // per level, bit per slot
   std::array<std::int32_t, 2> num_free_{};
+  std::array<std::int32_t, 2> num_protected_{};
+  std::array<std::int32_t, 2> protected_cap_{};
 };
 
 }  // namespace kvcache

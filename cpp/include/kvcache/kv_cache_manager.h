@@ -71,6 +71,9 @@ struct ManagerConfig {
   int secondary_offload_min_priority = 30;
   std::size_t event_buffer_max_size = 0;  ///< 0: no events.
   SwaReusePolicy swa_reuse_policy = SwaReusePolicy::kPlaceholder;
+  /// Segmented LRU: a cached block that served a reuse hit is evicted only after the blocks of
+  /// its priority that never did (false: plain LRU per priority).
+  bool protect_hit_blocks = true;
   /// Disk-tier slots per window (below the secondary pool; missing windows: none).
   std::map<WindowSize, std::int32_t> disk_blocks_per_window;
   std::string disk_cache_dir;  ///< Directory of the disk tier; empty: a private temporary one.

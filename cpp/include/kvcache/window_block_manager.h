@@ -44,6 +44,9 @@ struct WindowReuseOptions {
   bool cascade_on_evict = true;
   bool onboard_blocks = true;  ///< Evicted cached blocks may be offloaded to secondary blocks.
   int secondary_offload_min_priority = 30;
+  /// Cached blocks that served a reuse hit are evicted after those that never did (same
+  /// priority); false: one LRU order per priority.
+  bool protect_hit_blocks = true;
 };
 
 /// Owns the pools of one window and the state of each block: reference count, owner and
@@ -110,6 +113,10 @@ class WindowBlockManager {
   BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Takes a read-only reference on `b` (cached blocks may be free: they leave the free queues).
   void Claim(BlockId b);
+  /// Records that cached block `b` served a reuse hit: once free it waits in a protected queue
+  /// (see EvictionPolicy). Ends with the block's cached identity or a demotion.
+  void MarkHit(BlockId b);
+  bool WasHit(BlockId b) const { return state_[b].hit; }
   /// Drops one reference; at zero the block is queued (cached: at its priority; else scratch,
   /// at the front if `to_front`). `released_by` >= 0 names a running sequence that releases `b`
   /// out of window and keeps a record of its content (until the next Grant or ForgetRelease).
@@ -143,6 +150,9 @@ class WindowBlockManager {
  private:
   unsigned char* Address(BlockId b, std::size_t pool) const;
   int QueuePriority(BlockId b) const;
+  bool QueueProtected(BlockId b) const;
+  /// Puts free block `b` in the queue its state says; clears the hit mark of a demoted block.
+  void Enqueue(BlockId b, bool to_front = false);
   void EvictCached(BlockId victim);
   void Requeue(BlockId b);
   void EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
@@ -180,6 +190,7 @@ class WindowBlockManager {
     NodeId node = kNoNode;  // the tree node whose content the block caches
     std::int8_t priority = static_cast<std::int8_t>(kDefaultPriority);
     bool has_releasers = false;  // releasers_[b] is not empty
+    bool hit = false;            // served a reuse hit since it was linked (protected when free)
     SeqId owner = -1;
     std::int64_t expiry_ms = 0;
   };
