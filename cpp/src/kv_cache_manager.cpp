@@ -77,6 +77,9 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   if (config.secondary_offload_min_priority < kMinPriority || config.secondary_offload_min_priority > kMaxPriority) {
     ThrowInvalid("secondary_offload_min_priority must be in 0..100, got ", config.secondary_offload_min_priority);
   }
+  if (!(config.protected_fraction >= 0.0 && config.protected_fraction <= 1.0)) {
+    ThrowInvalid("protected_fraction must be in [0, 1], got ", config.protected_fraction);
+  }
   if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
@@ -114,6 +117,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     options.onboard_blocks = config.onboard_blocks;
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
+    options.protected_fraction = config.protected_fraction;
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
                                                             counts.primary, counts.secondary, backend_.get(),
                                                             tree_.get(), options, events_.get()));

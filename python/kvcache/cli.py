@@ -545,6 +545,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: placeholder)",
     )
     p_sim.add_argument(
+        "--plain-lru",
+        action="store_true",
+        help="evict cached blocks in plain LRU order per priority instead of protecting blocks "
+        "that served a reuse hit (protect_reused_blocks=False), to show the difference",
+    )
+    p_sim.add_argument(
         "--host-cache",
         type=_size,
         default=None,

@@ -344,7 +344,7 @@ class KvCacheConfig:
         protect_reused_blocks: Segmented LRU (default): a cached block that served a reuse
             hit is evicted only after the cached blocks of its priority that never did, so a
             stream of prompts seen once cannot flush a prefix that requests keep sharing (at
-            most half of a pool is protected). ``False``: plain LRU within each priority.
+            most a tenth of a pool is protected). ``False``: plain LRU within each priority.
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.

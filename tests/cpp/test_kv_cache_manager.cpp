@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -40,6 +41,11 @@ TEST(KVCacheManagerTest, RejectsBadConstruction) {
   EXPECT_THROW(KVCacheManager(Model(2), Config({8, 0}, 0, {{8, 4}, {64, 4}})), std::invalid_argument);
   EXPECT_THROW(KVCacheManager(Model(3, {1, 2}), Config({}, 64, {{64, 4}})), std::invalid_argument);
   EXPECT_THROW(KVCacheManager(Model(2), Config({}, 64, {{64, 4}}, 0)), std::invalid_argument);
+  for (const double fraction : {-0.1, 1.5, std::nan("")}) {
+    ManagerConfig c = Config({}, 64, {{64, 4}});
+    c.protected_fraction = fraction;
+    EXPECT_THROW(KVCacheManager(Model(2), c), std::invalid_argument) << fraction;
+  }
 }
 
 // Window 3 with 4-token blocks: allocation and release token by token.

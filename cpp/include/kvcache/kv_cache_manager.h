@@ -74,6 +74,8 @@ struct ManagerConfig {
   /// Segmented LRU: a cached block that served a reuse hit is evicted only after the blocks of
   /// its priority that never did (false: plain LRU per priority).
   bool protect_hit_blocks = true;
+  /// Most blocks of a window (share per cache level, in [0, 1]) that wait as protected.
+  double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.

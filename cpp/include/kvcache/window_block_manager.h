@@ -44,6 +44,8 @@ struct WindowReuseOptions {
   /// Cached blocks that served a reuse hit are evicted after those that never did (same
   /// priority); false: one LRU order per priority.
   bool protect_hit_blocks = true;
+  /// Share of the window's blocks (per level) that may wait in protected queues.
+  double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
 /// Owns the pools of one window and the state of each block: reference count, owner and

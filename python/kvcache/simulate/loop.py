@@ -100,6 +100,7 @@ def _setup(
     swa_reuse_policy: str,
     host_cache_bytes: int,
     expected_seq_len: int | None,
+    protect_reused_blocks: bool = True,
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
@@ -113,6 +114,7 @@ def _setup(
         backend="virtual",
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_size=host_cache_bytes,
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
@@ -189,6 +191,7 @@ def simulate(
     max_chunk_size: int | None = None,
     enable_block_reuse: bool = True,
     swa_reuse_policy: str = "placeholder",
+    protect_reused_blocks: bool = True,
     host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
     draft_tokens: int = 0,
@@ -220,6 +223,8 @@ def simulate(
         swa_reuse_policy: ``"invalidate"`` or ``"placeholder"`` (the config's
             ``swa_reuse_policy``): what reuse does with sliding-window blocks that another
             request reclaimed.
+        protect_reused_blocks: Segmented LRU (the config's ``protect_reused_blocks``);
+            ``False`` evicts in plain LRU order per priority.
         host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
             config's ``host_cache_size``; 0: none).
         expected_seq_len: Typical sequence length for the ``"auto"`` share policy
@@ -247,6 +252,7 @@ def simulate(
         tokens_per_block=tokens_per_block,
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
     )
@@ -428,6 +434,7 @@ def simulate(
             int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
         },
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
         reuse_enabled=enable_block_reuse,
