@@ -117,6 +117,8 @@ class KVCacheManager:
         secondary_offload_min_priority: typing.SupportsIndex = 30,
         event_buffer_max_size: typing.SupportsIndex = 0,
         swa_reuse_policy: str = "placeholder",
+        head_dims: collections.abc.Sequence[typing.SupportsIndex] = [],
+        dtypes: collections.abc.Sequence[str] = [],
     ) -> None: ...
     def _add_sequence(
         self,
@@ -285,7 +287,7 @@ class KVCacheManager:
     @property
     def pools(self) -> list:
         """
-        One dict per pool in global order (ascending window, then KV-head count).
+        One dict per pool in global order (ascending window, then KV-head count, head size, dtype).
         """
     @property
     def reuse_enabled(self) -> bool: ...
