@@ -236,8 +236,9 @@ def test_simulate_auto_shares_use_expected_length() -> None:
         trace, model="gemma-3-1b", memory_bytes=512 * 2**20, shares="auto", expected_seq_len=600
     )
     assert r.shares == "auto(L=600)"
-    # sliding 512 + 32 tokens x 22 layers vs 600 tokens x 4 layers of 1024 B per token
-    share = (544 * 22) / (544 * 22 + 600 * 4)
+    # sliding: ceil(511 / 32) + 1 = 17 blocks (544 tokens) x 22 layers vs full attention:
+    # ceil(600 / 32) = 19 blocks (608 tokens) x 4 layers, of 1024 B per token each
+    share = (544 * 22) / (544 * 22 + 608 * 4)
     assert r.windows[0].blocks == int(512 * 2**20 * share // (22 * 1024 * 32))
 
 

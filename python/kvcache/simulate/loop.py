@@ -101,6 +101,7 @@ def _setup(
     host_cache_bytes: int,
     expected_seq_len: int | None,
     protect_reused_blocks: bool = True,
+    draft_tokens: int = 0,
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
@@ -127,7 +128,13 @@ def _setup(
         )
         share_text = f"auto(L={expected})"
     blocks = blocks_per_window(
-        preset.model, config, seq_len, memory, host_cache_bytes, expected_seq_len=expected
+        preset.model,
+        config,
+        seq_len,
+        memory,
+        host_cache_bytes,
+        expected_seq_len=expected,
+        max_draft_tokens=draft_tokens,
     )
     total_blocks = sum(p + s for p, s in blocks.values())
     if total_blocks > MAX_SIMULATED_BLOCKS:
@@ -255,6 +262,7 @@ def simulate(
         protect_reused_blocks=protect_reused_blocks,
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
+        draft_tokens=draft_tokens,
     )
     preset, config, seq_len, blocks = setup.preset, setup.config, setup.seq_len, setup.blocks
     memory, expected = setup.memory, setup.expected_seq_len
