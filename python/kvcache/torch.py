@@ -308,7 +308,9 @@ def paged_attention(
     group = heads // kv_heads
     q = query.to(dtype).reshape(-1, kv_heads, group, dim)  # [T, kvh, g, d]
     k_t = keys[rows]  # [T, kvh, span, d]
-    v_t = values[rows]
+    # Slots not attended (past a row's end, outside the window) may hold stale bytes, even
+    # NaN: their probability is 0, and 0 * NaN would still poison the sum.
+    v_t = values[rows].masked_fill(~wanted[:, None, :, None], 0.0)
     scores = torch.einsum("thgd,thsd->thgs", q, k_t) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
