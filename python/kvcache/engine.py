@@ -64,7 +64,11 @@ ATTENTION_NAME = "kvcache"
 #: Model families :func:`tiny_model` builds.
 TINY_FAMILIES: tuple[str, ...] = ("gemma3", "gemma2", "mistral", "gpt-oss")
 
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TORCH_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -216,7 +220,8 @@ def tiny_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
 
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    auto: Any = transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
@@ -239,7 +244,9 @@ class _Step:
     tables: list[torch.Tensor]  # per pool: [rows, width] block ids
 
 
-_CURRENT: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("kvcache_step", default=None)
+_CURRENT: contextvars.ContextVar[_Step | None] = contextvars.ContextVar(
+    "kvcache_step", default=None
+)
 
 
 def _kvcache_attention(

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from kvcache.manager import KVCacheManager
 
@@ -84,7 +85,7 @@ def layer_view(manager: KVCacheManager, layer: int) -> torch.Tensor:
     num_layers = len(manager.layer_to_pool)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(f"layer must be in 0..{num_layers - 1}, got {layer!r}")
-    return torch.from_dlpack(manager._layer_buffer(layer))
+    return from_dlpack(manager._layer_buffer(layer))
 
 
 def layer_kv(manager: KVCacheManager, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,7 +274,7 @@ def paged_attention(
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [T, heads, dim], got shape {tuple(query.shape)}")
-    num_blocks, kv_heads, tpb, dim = k_cache.shape
+    _, kv_heads, tpb, dim = k_cache.shape
     heads = query.shape[1]
     if heads % kv_heads or query.shape[2] != dim:
         raise ValueError(

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvcache import NULL_BLOCK, KVCacheManager, KvCacheConfig, ModelConfig  # noqa: E402
+from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheManager, ModelConfig  # noqa: E402
 from kvcache.torch import (  # noqa: E402
     block_offsets,
     block_tables,
@@ -26,9 +26,7 @@ TPB = 4
 
 def _manager(backend: str = "host", blocks: dict[int, int] | None = None) -> KVCacheManager:
     model = ModelConfig(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
-    config = KvCacheConfig(
-        tokens_per_block=TPB, max_attention_window=[8, None, 8], backend=backend
-    )
+    config = KvCacheConfig(tokens_per_block=TPB, max_attention_window=[8, None, 8], backend=backend)
     return KVCacheManager.from_blocks(
         model, config, blocks or {8: 12, 64: 24}, max_seq_len=64, max_batch_size=4
     )
@@ -69,9 +67,9 @@ def test_bfloat16_views_keep_their_dtype() -> None:
 
 def test_views_reject_bad_arguments() -> None:
     kv = _manager()
-    with pytest.raises(ValueError, match="layer must be in 0..2"):
+    with pytest.raises(ValueError, match=r"layer must be in 0\.\.2"):
         layer_view(kv, 3)
-    with pytest.raises(ValueError, match="pool must be in 0..1"):
+    with pytest.raises(ValueError, match=r"pool must be in 0\.\.1"):
         pool_view(kv, -1)
     with pytest.raises(TypeError, match="KVCacheManager"):
         layer_view(object(), 0)  # type: ignore[arg-type]
@@ -196,9 +194,7 @@ def test_a_query_that_needs_a_released_position_raises() -> None:
     k, v = layer_kv(kv, 0)
     table = block_tables(kv, [1])[0]
     q = torch.zeros(1, 2, 8)
-    ok = paged_attention(
-        q, k, v, table, torch.tensor([0]), torch.tensor([20]), scale=1.0, window=8
-    )
+    ok = paged_attention(q, k, v, table, torch.tensor([0]), torch.tensor([20]), scale=1.0, window=8)
     assert ok.shape == (1, 2, 8)
     with pytest.raises(ValueError, match="without a block"):
         paged_attention(q, k, v, table, torch.tensor([0]), torch.tensor([20]), scale=1.0)
@@ -216,7 +212,7 @@ def test_paged_attention_rejects_bad_shapes() -> None:
         paged_attention(torch.zeros(1, 3, 8), k, v, table, one, one, scale=1.0)
     with pytest.raises(ValueError, match=r"\[T, heads, dim\]"):
         paged_attention(torch.zeros(3, 8), k, v, table, one, one, scale=1.0)
-    with pytest.raises(ValueError, match="rows must be in 0..0"):
+    with pytest.raises(ValueError, match=r"rows must be in 0\.\.0"):
         paged_attention(torch.zeros(1, 2, 8), k, v, table, one + 1, one, scale=1.0)
     with pytest.raises(ValueError, match="window must be positive"):
         paged_attention(torch.zeros(1, 2, 8), k, v, table, one, one, scale=1.0, window=0)
