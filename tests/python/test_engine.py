@@ -137,7 +137,9 @@ def test_a_batch_of_8_matches_hf_generate(family: str) -> None:
 @pytest.mark.parametrize("policy", ["placeholder", "invalidate"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_second_wave_reuses_the_system_prompt_in_every_window(family: str, policy: str) -> None:
-    system = _prompts(3, 1, 16, 17)[0]  # 4 blocks, twice the sliding window
+    # 4 full blocks (twice the sliding window) and 2 tokens of a fifth: partial reuse
+    # copies (or takes over) that block, whose first tokens must be the right KV.
+    system = _prompts(3, 1, 18, 19)[0]
     engine = _engine(family, swa_reuse_policy=policy)
     first = _prompts(4, 4, 3, 12, prefix=system)
     _check(family, engine, first)
@@ -149,7 +151,7 @@ def test_a_second_wave_reuses_the_system_prompt_in_every_window(family: str, pol
     for window in engine.manager.window_sizes:
         gained = reused[window] - before.cache.reused_blocks_per_window_size.get(window, 0)
         assert gained >= 4 * len(system) // TPB, window  # every request reused the prefix
-    # Reused positions were never computed again.
+    # Reused positions (the partial block's too) were never computed again.
     assert after.reused_tokens - before.reused_tokens >= 4 * len(system)
     computed = after.computed_tokens - before.computed_tokens
     total = sum(map(len, second)) + 4 * (NEW - 1)
