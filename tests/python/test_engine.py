@@ -22,6 +22,7 @@ from kvcache.engine import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
+from kvcache.torch import pool_views  # noqa: E402
 
 FAMILIES = ("gemma3", "gemma2", "mistral", "gpt-oss")
 WINDOW = 8  # two blocks of 4 tokens
@@ -141,6 +142,8 @@ def test_a_second_wave_reuses_the_system_prompt_in_every_window(family: str, pol
     # copies (or takes over) that block, whose first tokens must be the right KV.
     system = _prompts(3, 1, 18, 19)[0]
     engine = _engine(family, swa_reuse_policy=policy)
+    for pool in pool_views(engine.manager):
+        pool.fill_(float("nan"))
     first = _prompts(4, 4, 3, 12, prefix=system)
     _check(family, engine, first)
     before = engine.stats()
@@ -168,6 +171,8 @@ def test_small_pools_release_reclaim_offload_onboard_and_preempt(family: str) ->
     if full != WINDOW:
         blocks[full] = (12, 16)
     engine = _engine(family, blocks_per_window=blocks, max_chunk_size=8)
+    for pool in pool_views(engine.manager):  # a read of a slot nobody wrote poisons the output
+        pool.fill_(float("nan"))
     _check(family, engine, prompts, new)
     stats = engine.stats()
     # Each request writes more sliding-window blocks than the pool has: the window released
