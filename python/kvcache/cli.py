@@ -1,4 +1,4 @@
-"""The ``kvcache`` command line: ``models``, ``plan`` and ``simulate``.
+"""The ``kvcache`` command line: ``models``, ``plan``, ``simulate`` and ``generate``.
 
 Errors print one line to stderr and never a traceback. Exit status: 0 success; 2 a bad
 command line or input (unknown option, bad value, unreadable or malformed file, a budget
@@ -17,6 +17,7 @@ Example:
     $ kvcache plan --model gemma-3-27b --memory 80GiB --max-seq-len 32768
     $ kvcache plan --model gemma-4-31b --memory 80GiB --kv-cache-dtype full=fp8
     $ kvcache simulate --model gemma-3-12b --memory 24GiB --shares auto
+    $ kvcache generate --model gemma3 --num-prompts 32   # needs the torch extra
 """
 
 from __future__ import annotations
@@ -477,6 +478,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvcache.generate_cli import run_cli  # imports torch and transformers
+
+    return run_cli(args)
+
+
 def _int_in(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
     """An argparse type: an integer in ``lo..hi``; ``why`` explains the upper bound."""
 
@@ -694,6 +701,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")
     p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_sim.set_defaults(func=_cmd_simulate)
+
+    from kvcache.generate_cli import add_arguments  # no torch import: --help works without it
+
+    p_gen = sub.add_parser(
+        "generate",
+        help="greedy generation with a Hugging Face model on kvcache (needs kvcache[torch])",
+    )
+    add_arguments(p_gen, _size, _positive_int32)
+    p_gen.set_defaults(func=_cmd_generate)
     return parser
 
 
