@@ -50,6 +50,7 @@ constexpr char kLayerIdx[] = "layer_idx";
 constexpr char kNumLayers[] = "num_layers";
 constexpr char kNumKvHeads[] = "num_kv_heads";
 constexpr char kHeadDim[] = "head_dim";
+constexpr char kHeadDims[] = "head_dims";
 constexpr char kKvFactor[] = "kv_factor";
 constexpr char kTokensPerBlock[] = "tokens_per_block";
 constexpr char kMaxAttentionWindow[] = "max_attention_window";
@@ -88,6 +89,7 @@ using LayerIdx = Int<std::int32_t, kLayerIdx, 0>;
 using NumLayers = Int<std::int32_t, kNumLayers, 1>;
 using NumKvHeads = Int<std::int32_t, kNumKvHeads, 1>;
 using HeadDim = Int<std::int32_t, kHeadDim, 1>;
+using LayerHeadDim = Int<std::int32_t, kHeadDims, 1>;
 using KvFactor = Int<std::int32_t, kKvFactor, 1, 2>;
 using TokensPerBlock = Int<std::int32_t, kTokensPerBlock, 1>;
 using AttentionWindow = Int<std::int32_t, kMaxAttentionWindow>;  // <= 0: full attention
@@ -491,7 +493,8 @@ std::unique_ptr<KVCacheManager> MakeManager(
     MaxSeqLen max_seq_len, MaxBatchSize max_batch_size, const BlocksPerWindow& blocks_per_window,
     const std::string& backend, MaxDraftTokens max_draft_tokens, bool enable_block_reuse, bool enable_partial_reuse,
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
-    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy, bool protect_reused_blocks,
+    EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy,
+    const std::vector<LayerHeadDim>& head_dims, const std::vector<std::string>& dtypes, bool protect_reused_blocks,
     const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir) {
   ModelSpec model;
   model.num_layers = num_layers;
@@ -499,6 +502,8 @@ std::unique_ptr<KVCacheManager> MakeManager(
   model.head_dim = head_dim;
   model.dtype = ParseDType(dtype);
   model.kv_factor = kv_factor;
+  model.head_dims.assign(head_dims.begin(), head_dims.end());
+  for (const auto& name : dtypes) model.dtypes.push_back(ParseDType(name));
   ManagerConfig config;
   config.tokens_per_block = tokens_per_block;
   config.max_attention_window.assign(max_attention_window.begin(), max_attention_window.end());
@@ -595,6 +600,7 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("enable_partial_reuse") = true, pybind11::arg("copy_on_partial_reuse") = true,
           pybind11::arg("onboard_blocks") = true, pybind11::arg("secondary_offload_min_priority") = 30,
           pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder",
+          pybind11::arg("head_dims") = std::vector<LayerHeadDim>{}, pybind11::arg("dtypes") = std::vector<std::string>{},
           pybind11::arg("protect_reused_blocks") = true,
           pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "");
   RejectSecondInit(cls);
@@ -625,6 +631,8 @@ void BindManager(pybind11::module_& m) {
               d["num_kv_heads"] = p.num_kv_heads;
               d["layers"] = p.layers;
               d["kv_factor"] = p.kv_factor;
+              d["head_dim"] = p.head_dim;
+              d["dtype"] = DTypeName(p.dtype);
               d["block_bytes"] = p.block_bytes;
               d["num_primary_blocks"] = p.num_primary;
               d["num_secondary_blocks"] = p.num_secondary;
@@ -634,7 +642,7 @@ void BindManager(pybind11::module_& m) {
             }
             return out;
           },
-          "One dict per pool in global order (ascending window, then KV-head count).")
+          "One dict per pool in global order (ascending window, then KV-head count, head size, dtype).")
       .def(
           "_add_sequence",
           [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<Priority>& priority,

@@ -1,15 +1,19 @@
 #include "kvcache/eviction_policy.h"
 
+#include <cmath>
+
 #include "kvcache/errors.h"
 
 namespace kvcache {
 
-EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary)
+EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary, double protected_fraction)
     : num_primary_(num_primary),
       links_(static_cast<std::size_t>(num_primary + num_secondary)) {
+  KVC_CHECK(protected_fraction >= 0.0 && protected_fraction <= 1.0, "protected fraction out of [0, 1]");
   head_.fill(kNullBlock);
   tail_.fill(kNullBlock);
-  protected_cap_ = {num_primary / 2, num_secondary / 2};
+  auto cap = [&](std::int32_t n) { return static_cast<std::int32_t>(std::ceil(n * protected_fraction)); };
+  protected_cap_ = {cap(num_primary), cap(num_secondary)};
 }
 
 void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <tuple>
 
 #include "kvcache/errors.h"
 
@@ -16,7 +17,7 @@ std::int32_t CeilDiv(std::int64_t a, std::int64_t b) { return static_cast<std::i
 
 void ValidateModel(const ModelSpec& model) {
   if (model.num_layers <= 0) ThrowInvalid("num_layers must be positive, got ", model.num_layers);
-  if (model.head_dim <= 0) ThrowInvalid("head_dim must be positive, got ", model.head_dim);
+  if (model.head_dims.empty() && model.head_dim <= 0) ThrowInvalid("head_dim must be positive, got ", model.head_dim);
   if (model.kv_factor != 1 && model.kv_factor != 2) {
     ThrowInvalid("kv_factor must be 1 or 2, got ", model.kv_factor);
   }
@@ -27,6 +28,29 @@ void ValidateModel(const ModelSpec& model) {
   for (auto h : model.num_kv_heads) {
     if (h <= 0) ThrowInvalid("num_kv_heads entries must be positive, got ", h);
   }
+  if (!model.head_dims.empty() && model.head_dims.size() != static_cast<std::size_t>(model.num_layers)) {
+    ThrowInvalid("head_dims must be empty or have num_layers (", model.num_layers, ") entries, got ",
+                 model.head_dims.size());
+  }
+  for (std::size_t l = 0; l < model.head_dims.size(); ++l) {
+    if (model.head_dims[l] <= 0) ThrowInvalid("head_dims[", l, "] must be positive, got ", model.head_dims[l]);
+  }
+  if (!model.dtypes.empty() && model.dtypes.size() != static_cast<std::size_t>(model.num_layers)) {
+    ThrowInvalid("dtypes must be empty or have num_layers (", model.num_layers, ") entries, got ",
+                 model.dtypes.size());
+  }
+}
+
+/// The pool key of a layer: layers of one window with equal keys share a pool. Ordered, so a
+/// window's pools are sorted by KV-head count, then head size, then dtype.
+using PoolKey = std::tuple<std::int32_t, std::int32_t, DType>;
+
+PoolKey LayerPoolKey(const ModelSpec& model, std::int32_t l) {
+  const auto i = static_cast<std::size_t>(l);
+  const std::int32_t heads = model.num_kv_heads.size() == 1 ? model.num_kv_heads[0] : model.num_kv_heads[i];
+  const std::int32_t head_dim = model.head_dims.empty() ? model.head_dim : model.head_dims[i];
+  const DType dtype = model.dtypes.empty() ? model.dtype : model.dtypes[i];
+  return {heads, head_dim, dtype};
 }
 
 }  // namespace
@@ -37,8 +61,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       max_batch_size_(config.max_batch_size),
       max_draft_tokens_(config.max_draft_tokens),
       max_blocks_per_seq_(0),
-      kv_factor_(model.kv_factor),
-      dtype_(model.dtype) {
+      kv_factor_(model.kv_factor) {
   ValidateModel(model);
   if (tpb_ <= 0) ThrowInvalid("tokens_per_block must be positive, got ", tpb_);
   if (max_seq_len_ <= 0) ThrowInvalid("max_seq_len is required and must be positive, got ", max_seq_len_);
@@ -90,29 +113,32 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   if (config.secondary_offload_min_priority < kMinPriority || config.secondary_offload_min_priority > kMaxPriority) {
     ThrowInvalid("secondary_offload_min_priority must be in 0..100, got ", config.secondary_offload_min_priority);
   }
+  if (!(config.protected_fraction >= 0.0 && config.protected_fraction <= 1.0)) {
+    ThrowInvalid("protected_fraction must be in [0, 1], got ", config.protected_fraction);
+  }
   if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
-  const int elem_bytes = DTypeBytes(model.dtype);
   layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
   std::int32_t global_pool = 0;
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
-    std::map<std::int32_t, PoolLayout> by_heads;  // ascending head count
+    std::map<PoolKey, PoolLayout> by_shape;  // ascending (heads, head size, dtype)
     for (std::int32_t l = 0; l < model.num_layers; ++l) {
       if (layer_window[l] != window) continue;
-      const std::int32_t heads = model.num_kv_heads.size() == 1 ? model.num_kv_heads[0] : model.num_kv_heads[l];
-      PoolLayout& pool = by_heads[heads];
-      pool.num_kv_heads = heads;
+      const PoolKey key = LayerPoolKey(model, l);
+      PoolLayout& pool = by_shape[key];
+      pool.num_kv_heads = std::get<0>(key);
       pool.layers.push_back(l);
       pool.kv_factor = model.kv_factor;
       pool.tokens_per_block = tpb_;
-      pool.head_dim = model.head_dim;
-      pool.elem_bytes = elem_bytes;
+      pool.head_dim = std::get<1>(key);
+      pool.dtype = std::get<2>(key);
+      pool.elem_bytes = DTypeBytes(pool.dtype);
     }
     std::vector<PoolLayout> pools;
-    for (auto& kv : by_heads) {
+    for (auto& kv : by_shape) {
       const auto pool_in_window = pools.size();
       for (std::size_t i = 0; i < kv.second.layers.size(); ++i) {
         layer_to_pool_[kv.second.layers[i]] = {global_pool, static_cast<std::int32_t>(i)};
@@ -128,6 +154,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     options.onboard_blocks = config.onboard_blocks;
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
+    options.protected_fraction = config.protected_fraction;
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
                                                             counts.primary, counts.secondary, backend_.get(),
                                                             tree_.get(), options, events_.get()));
@@ -167,6 +194,8 @@ std::vector<PoolInfo> KVCacheManager::pools() const {
     info.num_kv_heads = layout.num_kv_heads;
     info.layers = layout.layers;
     info.kv_factor = layout.kv_factor;
+    info.head_dim = layout.head_dim;
+    info.dtype = layout.dtype;
     info.block_bytes = layout.BlockBytes();
     info.num_primary = wm.num_primary();
     info.num_secondary = wm.num_secondary();
@@ -859,7 +888,7 @@ LayerView KVCacheManager::GetLayerView(std::int32_t layer) const {
   const auto slab = static_cast<std::int64_t>(pool.SlabBytes());
   LayerView view;
   view.data = static_cast<unsigned char*>(wm.primary_base(p)) + static_cast<std::int64_t>(idx) * kv_factor_ * slab;
-  view.dtype = dtype_;
+  view.dtype = pool.dtype;
   view.shape = {wm.num_primary(), kv_factor_, pool.num_kv_heads, tpb_, pool.head_dim};
   view.strides = {static_cast<std::int64_t>(pool.BlockBytes()), slab,
                   static_cast<std::int64_t>(tpb_) * pool.head_dim * elem, pool.head_dim * elem, elem};

@@ -22,7 +22,7 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
       tree_(tree),
       options_(options),
       events_(events),
-      policy_(num_primary, num_secondary) {
+      policy_(num_primary, num_secondary, options.protected_fraction) {
   const auto total = static_cast<std::size_t>(num_primary + num_secondary);
   state_.assign(total, BlockState{});
   releasers_.assign(total, {});

@@ -117,6 +117,8 @@ class KVCacheManager:
         secondary_offload_min_priority: typing.SupportsIndex = 30,
         event_buffer_max_size: typing.SupportsIndex = 0,
         swa_reuse_policy: str = "placeholder",
+        head_dims: collections.abc.Sequence[typing.SupportsIndex] = [],
+        dtypes: collections.abc.Sequence[str] = [],
         protect_reused_blocks: bool = True,
         disk_blocks_per_window: collections.abc.Mapping[
             typing.SupportsIndex, typing.SupportsIndex
@@ -290,7 +292,7 @@ class KVCacheManager:
     @property
     def pools(self) -> list:
         """
-        One dict per pool in global order (ascending window, then KV-head count).
+        One dict per pool in global order (ascending window, then KV-head count, head size, dtype).
         """
     @property
     def reuse_enabled(self) -> bool: ...

@@ -1,4 +1,4 @@
-"""The ``kvcache`` command line: ``models``, ``plan`` and ``simulate``.
+"""The ``kvcache`` command line: ``models``, ``plan``, ``simulate`` and ``generate``.
 
 Errors print one line to stderr and never a traceback. Exit status: 0 success; 2 a bad
 command line or input (unknown option, bad value, unreadable or malformed file, a budget
@@ -15,7 +15,9 @@ workload is generated in memory; replay larger workloads with ``--trace``).
 Example:
     $ kvcache models
     $ kvcache plan --model gemma-3-27b --memory 80GiB --max-seq-len 32768
+    $ kvcache plan --model gemma-4-31b --memory 80GiB --kv-cache-dtype full=fp8
     $ kvcache simulate --model gemma-3-12b --memory 24GiB --shares auto
+    $ kvcache generate --model gemma3 --num-prompts 32   # needs the torch extra
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
-from kvcache.config import SHARE_POLICIES, KvCacheConfig
+from kvcache.config import SHARE_POLICIES, KvCacheConfig, ModelConfig
 from kvcache.models import ModelPreset, list_models, load_model
 from kvcache.sizing import (
     blocks_per_window,
@@ -79,6 +81,13 @@ class PlanRow:
     tokens: int
     blocks_per_sequence: int
     max_sequences: int
+    dtype: str = ""
+    """The window's KV dtype(s), ``/``-separated when its layers differ (``bfloat16/fp8``)."""
+    head_dim: str = ""
+    """The window's head size(s), ``/``-separated when its layers differ (``256/512``)."""
+    saved_per_sequence: int = 0
+    """Bytes one sequence saves in this window by its dtype choice, against the model's own
+    dtypes (``blocks_per_sequence x tokens_per_block x`` the bytes per token saved)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,8 @@ class PolicyPlan:
     limiting_window: int
     source: str = ""
     """Where the policy came from when not from the command line (an environment variable)."""
+    model_dtype_max_sequences: int | None = None
+    """With ``kv_cache_dtype``: the concurrency of the same policy at the model's own dtypes."""
 
 
 def make_plan(
@@ -100,13 +111,17 @@ def make_plan(
     *,
     tokens_per_block: int = 32,
     policies: Sequence[str | Sequence[float]] = SHARE_POLICIES,
+    kv_cache_dtype: str | Mapping[int | str | None, str] | None = None,
 ) -> dict[str, Any]:
     """Blocks, tokens and maximum concurrent sequences per window under each share policy.
 
     A sequence of ``max_seq_len`` tokens needs
     :func:`kvcache.sizing.max_blocks_per_sequence` blocks in each window; the concurrency of
     a policy is the minimum over windows of ``blocks // blocks_per_sequence``. The same
-    budget with every layer at full attention is given as the baseline.
+    budget with every layer at full attention is given as the baseline. Each row shows the
+    window's dtype and head size; with ``kv_cache_dtype`` (see
+    :attr:`KvCacheConfig.kv_cache_dtype`) each row also says what one sequence saves in that
+    window against the model's own dtypes, and each policy the concurrency it had at them.
 
     Args:
         preset: The model.
@@ -114,13 +129,16 @@ def make_plan(
         max_seq_len: Sequence length to plan for.
         tokens_per_block: Block size.
         policies: Share policies to compare (names or per-window share lists).
+        kv_cache_dtype: KV dtype per window kind or window size, overriding the model's.
 
     Returns:
         ``{"policies": [PolicyPlan, ...], "full_attention": PolicyPlan, "model": preset,
-        "memory_bytes": ..., "max_seq_len": ..., "tokens_per_block": ...}``.
+        "memory_bytes": ..., "max_seq_len": ..., "tokens_per_block": ...,
+        "kv_cache_dtype": ...}``.
 
     Raises:
-        ValueError: Bad shares or a budget too small for one block per window.
+        ValueError: Bad shares, a bad ``kv_cache_dtype`` or a budget too small for one block
+            per window.
 
     Example:
         >>> plan = make_plan(load_model("gemma-3-27b"), 80 * 2**30, 32768)
@@ -133,11 +151,23 @@ def make_plan(
     for policy in policies:
         name = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
         config = preset.kv_cache_config(
-            tokens_per_block=tokens_per_block, window_size_shares=policy
+            tokens_per_block=tokens_per_block,
+            window_size_shares=policy,
+            kv_cache_dtype=kv_cache_dtype,
         )
-        out.append(_policy_plan(preset, config, name, memory_bytes, max_seq_len))
-    # One window: the share is 1 whatever the policy; "equal" keeps the environment out.
-    full = KvCacheConfig(tokens_per_block=tokens_per_block, window_size_shares="equal")
+        plan = _policy_plan(preset, config, name, memory_bytes, max_seq_len)
+        if kv_cache_dtype is not None:
+            own = dataclasses.replace(config, kv_cache_dtype=None)
+            at_model = _policy_plan(preset, own, name, memory_bytes, max_seq_len)
+            plan = dataclasses.replace(plan, model_dtype_max_sequences=at_model.max_sequences)
+        out.append(plan)
+    # One window: the share is 1 whatever the policy; "equal" keeps the environment out. A
+    # window-size dtype key names a sliding window this baseline does not have: kinds only.
+    full = KvCacheConfig(
+        tokens_per_block=tokens_per_block,
+        window_size_shares="equal",
+        kv_cache_dtype=_full_attention_dtype(kv_cache_dtype),
+    )
     baseline = _policy_plan(preset, full, "all layers full attention", memory_bytes, max_seq_len)
     return {
         "model": preset,
@@ -146,7 +176,31 @@ def make_plan(
         "tokens_per_block": tokens_per_block,
         "policies": out,
         "full_attention": baseline,
+        "kv_cache_dtype": _dtype_text(kv_cache_dtype),
     }
+
+
+def _full_attention_dtype(
+    choice: str | Mapping[int | str | None, str] | None,
+) -> str | None:
+    """The dtype the all-full-attention baseline takes from a ``kv_cache_dtype`` choice."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    for key in (None, "full"):
+        if key in choice:
+            return choice[key]
+    return None
+
+
+def _dtype_text(choice: str | Mapping[int | str | None, str] | None) -> str | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    return ",".join(f"{'full' if k is None else k}={v}" for k, v in choice.items())
+
+
+def _joined(values: Sequence[object]) -> str:
+    """Distinct values in first-seen order, ``/``-separated."""
+    return "/".join(str(v) for v in dict.fromkeys(values))
 
 
 def _policy_plan(
@@ -162,20 +216,27 @@ def _policy_plan(
             raise
         blocks = {w: (0, 0) for w in bpt}  # the all-full-attention baseline holds no block
     layer_windows = config.attention_window_per_layer(model.num_layers, max_seq_len)
+    dtypes = config.kv_dtype_per_layer(model, max_seq_len)
+    own_bpt = bytes_per_token(model, dataclasses.replace(config, kv_cache_dtype=None), max_seq_len)
+    head_dims = model.head_dim_per_layer()
     total_bytes = max(1, sum(blocks[w][0] * bpt[w] * tpb for w in blocks))
     rows = []
     for w, (primary, _) in blocks.items():
         per_seq = max_blocks_per_sequence(max_seq_len, w, tpb)
+        layers = [i for i, lw in enumerate(layer_windows) if lw == w]
         rows.append(
             PlanRow(
                 window=w,
-                layers=layer_windows.count(w),
+                layers=len(layers),
                 bytes_per_token=bpt[w],
                 share=primary * bpt[w] * tpb / total_bytes,
                 blocks=primary,
                 tokens=primary * tpb,
                 blocks_per_sequence=per_seq,
                 max_sequences=primary // per_seq,
+                dtype=_joined([dtypes[i] for i in layers]),
+                head_dim=_joined([head_dims[i] for i in layers]),
+                saved_per_sequence=per_seq * tpb * (own_bpt[w] - bpt[w]),
             )
         )
     limiting = min(rows, key=lambda r: (r.max_sequences, r.window))
@@ -187,20 +248,23 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
     m = preset.model
     n = plan["max_seq_len"]
     print(
-        f"{preset.name}: {m.num_layers} layers, {m.num_kv_heads} KV heads x {m.head_dim}, "
-        f"{m.dtype}; windows: {preset.window_pattern_text()}; max context {preset.max_context:,}",
+        f"{preset.name}: {m.num_layers} layers, {_shape_text(m)}; windows: "
+        f"{preset.window_pattern_text()}; max context {preset.max_context:,}",
         file=out,
     )
+    choice = plan.get("kv_cache_dtype")
     print(
         f"primary memory {format_size(plan['memory_bytes'])} ({plan['memory_bytes']:,} B), "
-        f"tokens_per_block {plan['tokens_per_block']}, sequences of {n:,} tokens",
+        f"tokens_per_block {plan['tokens_per_block']}, sequences of {n:,} tokens"
+        + (f", KV dtype {choice}" if choice else ""),
         file=out,
     )
     if n > preset.max_context:
         print(f"note: {n:,} tokens exceed the model's context of {preset.max_context:,}", file=out)
     header = (
-        f"  {'window':>7} {'layers':>6} {'B/token':>10} {'share':>7} {'blocks':>10} "
-        f"{'tokens':>13} {'blk/seq':>8} {'max seqs':>9}"
+        f"  {'window':>7} {'layers':>6} {'dtype':>14} {'head':>7} {'B/token':>10} {'share':>7} "
+        f"{'blocks':>10} {'tokens':>13} {'blk/seq':>8} {'max seqs':>9}"
+        + (f" {'saves/seq':>10}" if choice else "")
     )
     baseline: PolicyPlan = plan["full_attention"]
     for p in [*plan["policies"], baseline]:
@@ -209,9 +273,11 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
         print(header, file=out)
         for r in p.rows:
             print(
-                f"  {r.window:>7,} {r.layers:>6} {r.bytes_per_token:>10,} {r.share:>7.1%} "
+                f"  {r.window:>7,} {r.layers:>6} {r.dtype:>14} {r.head_dim:>7} "
+                f"{r.bytes_per_token:>10,} {r.share:>7.1%} "
                 f"{r.blocks:>10,} {r.tokens:>13,} {r.blocks_per_sequence:>8,} "
-                f"{r.max_sequences:>9,}",
+                f"{r.max_sequences:>9,}"
+                + (f" {format_size(r.saved_per_sequence):>10}" if choice else ""),
                 file=out,
             )
         if p.max_sequences:
@@ -243,8 +309,23 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
             if baseline.max_sequences
             else "n/a (full attention fits none)"
         )
-        print(f"  {p.policy:<14} {p.max_sequences:>8,}   vs all-full-attention: {gain}", file=out)
+        own = (
+            f"; at the model's dtypes {p.model_dtype_max_sequences:,}"
+            if p.model_dtype_max_sequences is not None
+            else ""
+        )
+        print(
+            f"  {p.policy:<14} {p.max_sequences:>8,}   vs all-full-attention: {gain}{own}",
+            file=out,
+        )
     print(f"  {'full attention':<14} {baseline.max_sequences:>8,}", file=out)
+
+
+def _shape_text(m: ModelConfig) -> str:
+    """``16 KV heads x 128, bfloat16``, or per window kind where the layers differ."""
+    heads, dims, dtypes = m.kv_heads_per_layer(), m.head_dim_per_layer(), m.dtype_per_layer()
+    shapes = _joined([f"{h} KV heads x {d}" for h, d in zip(heads, dims, strict=True)])
+    return f"{shapes.replace('/', ' or ')}, {_joined(dtypes)}"
 
 
 def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +335,7 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
             "source": p.source or None,
             "max_sequences": p.max_sequences,
             "limiting_window": p.limiting_window,
+            "model_dtype_max_sequences": p.model_dtype_max_sequences,
             "windows": [vars(r) for r in p.rows],
         }
 
@@ -262,14 +344,22 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
         "memory_bytes": plan["memory_bytes"],
         "max_seq_len": plan["max_seq_len"],
         "tokens_per_block": plan["tokens_per_block"],
+        "kv_cache_dtype": plan.get("kv_cache_dtype"),
         "policies": [policy(p) for p in plan["policies"]],
         "full_attention": policy(plan["full_attention"]),
     }
 
 
-def _one_sequence(preset: ModelPreset, max_seq_len: int, tpb: int) -> tuple[int, str]:
+def _one_sequence(
+    preset: ModelPreset,
+    max_seq_len: int,
+    tpb: int,
+    kv_cache_dtype: str | Mapping[int | str | None, str] | None = None,
+) -> tuple[int, str]:
     """Bytes one sequence of ``max_seq_len`` tokens holds while decoding, and per window."""
-    config = preset.kv_cache_config(tokens_per_block=tpb, window_size_shares="equal")
+    config = preset.kv_cache_config(
+        tokens_per_block=tpb, window_size_shares="equal", kv_cache_dtype=kv_cache_dtype
+    )
     bpt = bytes_per_token(preset.model, config, max_seq_len)
     parts = {w: max_blocks_per_sequence(max_seq_len, w, tpb) for w in bpt}
     need = sum(n * bpt[w] * tpb for w, n in parts.items())
@@ -300,14 +390,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
         if env_policy not in policies:
             policies.append(env_policy)
-    need, per_window = _one_sequence(preset, max_seq_len, tpb)
+    dtype_choice = args.kv_cache_dtype
+    need, per_window = _one_sequence(preset, max_seq_len, tpb, dtype_choice)
     if memory < need:
         raise ValueError(
             f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "
             f"{preset.name}: one needs {format_size(need)} ({per_window}); give more "
             "--memory or a shorter --max-seq-len"
         )
-    plan = make_plan(preset, memory, max_seq_len, tokens_per_block=tpb, policies=policies)
+    plan = make_plan(
+        preset,
+        memory,
+        max_seq_len,
+        tokens_per_block=tpb,
+        policies=policies,
+        kv_cache_dtype=dtype_choice,
+    )
     if env_var:
         plan["policies"] = [
             dataclasses.replace(p, source=env_var) if policy == env_policy else p
@@ -357,8 +455,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
         m = p.model
         per_token = sum(m.bytes_per_token_per_layer())
         print(
-            f"{p.name:<16} {m.num_layers:>6} {m.num_kv_heads!s:>8} {m.head_dim:>8} "
-            f"{m.dtype:<9} {p.max_context:>8,} {per_token:>11,}  {p.window_pattern_text()}"
+            f"{p.name:<16} {m.num_layers:>6} {_joined(m.kv_heads_per_layer()):>8} "
+            f"{_joined(m.head_dim_per_layer()):>8} {_joined(m.dtype_per_layer()):<9} "
+            f"{p.max_context:>8,} {per_token:>11,}  {p.window_pattern_text()}"
         )
     return 0
 
@@ -375,6 +474,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             "built-in workload counts conversations of 1-6 requests (one per turn)"
         )
     from kvcache.simulate.command import run_cli  # only this command needs the simulator
+
+    return run_cli(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvcache.generate_cli import run_cli  # imports torch and transformers
 
     return run_cli(args)
 
@@ -426,6 +531,29 @@ def _shares(text: str) -> str | tuple[float, ...]:
     return value if isinstance(value, str) else tuple(value)
 
 
+def _kv_cache_dtype(text: str) -> str | dict[int | str | None, str]:
+    """An argparse type: ``fp8`` (every layer), or ``KEY=DTYPE,...`` with keys ``full``,
+    ``sliding`` or a window size (``full=fp8,sliding=bfloat16``, ``1024=bfloat16``)."""
+    value: str | dict[int | str | None, str] = text.strip()
+    if "=" in text:
+        value = {}
+        for part in text.split(","):
+            key, sep, dtype = part.partition("=")
+            if not sep or not key.strip():
+                raise argparse.ArgumentTypeError(
+                    f"expected a dtype or KEY=DTYPE pairs such as full=fp8,sliding=bfloat16; "
+                    f"got {part.strip()!r}"
+                )
+            value[key.strip()] = dtype.strip()
+    try:
+        checked = KvCacheConfig(kv_cache_dtype=value).kv_cache_dtype
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if checked is None or isinstance(checked, str):
+        return value
+    return dict(checked)
+
+
 def _version() -> str:
     from kvcache import __version__
 
@@ -462,6 +590,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--tokens-per-block", type=_positive_int32, default=32)
     p_plan.add_argument(
         "--shares", type=_shares, default=None, help="an extra share list to compare, e.g. 0.2,0.8"
+    )
+    p_plan.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        default=None,
+        metavar="SPEC",
+        help="KV dtype instead of the model's: one dtype (fp8), or KEY=DTYPE pairs with keys "
+        "full, sliding or a window size (full=fp8,sliding=bfloat16); the plan then shows "
+        "what each window's choice saves",
     )
     p_plan.add_argument("--json", action="store_true", help="print JSON")
     p_plan.set_defaults(func=_cmd_plan)
@@ -545,6 +682,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: placeholder)",
     )
     p_sim.add_argument(
+        "--plain-lru",
+        action="store_true",
+        help="evict cached blocks in plain LRU order per priority instead of protecting blocks "
+        "that served a reuse hit (protect_reused_blocks=False), to show the difference",
+    )
+    p_sim.add_argument(
         "--host-cache",
         type=_size,
         default=None,
@@ -566,6 +709,15 @@ def _build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")
     p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_sim.set_defaults(func=_cmd_simulate)
+
+    from kvcache.generate_cli import add_arguments  # no torch import: --help works without it
+
+    p_gen = sub.add_parser(
+        "generate",
+        help="greedy generation with a Hugging Face model on kvcache (needs kvcache[torch])",
+    )
+    add_arguments(p_gen, _size, _positive_int32)
+    p_gen.set_defaults(func=_cmd_generate)
     return parser
 
 

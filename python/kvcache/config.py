@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeGuard
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "DTYPE_BYTES",
     "SHARE_POLICIES",
     "SWA_REUSE_POLICIES",
+    "WINDOW_KINDS",
     "KvCacheConfig",
     "ModelConfig",
 ]
@@ -49,6 +51,9 @@ BACKENDS: tuple[str, ...] = ("auto", "cuda", "host", "virtual")
 
 #: Reuse policies for sliding-window blocks accepted by ``KvCacheConfig.swa_reuse_policy``.
 SWA_REUSE_POLICIES: tuple[str, ...] = ("invalidate", "placeholder")
+
+#: Window kinds accepted as ``KvCacheConfig.kv_cache_dtype`` keys (``None`` means ``"full"``).
+WINDOW_KINDS: tuple[str, ...] = ("full", "sliding")
 
 #: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
 SHARE_POLICIES: tuple[str, ...] = ("equal", "proportional", "auto")
@@ -135,9 +140,12 @@ def _unknown_keys(cls_name: str, d: Mapping[str, Any], known: Sequence[str]) -> 
 
 
 def _to_plain(value: object) -> object:
-    """Tuples become lists so that ``to_dict`` output is JSON/TOML/YAML friendly."""
+    """Tuples become lists and mappings dicts with text keys, so that ``to_dict`` output is
+    JSON/TOML/YAML friendly."""
     if isinstance(value, tuple):
         return [_to_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _to_plain(v) for k, v in value.items()}
     return value
 
 
@@ -150,13 +158,17 @@ def _to_plain(value: object) -> object:
 class ModelConfig:
     """The attention shape of a model, as far as the KV cache is concerned.
 
+    ``num_kv_heads``, ``head_dim`` and ``dtype`` each take one value for every layer or one
+    entry per layer (stored as a tuple), for models whose layers differ in shape (Gemma-4:
+    head size 256 on sliding layers, 512 on full ones).
+
     Args:
         num_layers: Number of attention layers whose KV is cached (> 0).
-        num_kv_heads: KV heads per layer: one int for every layer, or one entry per layer
-            (stored as a tuple).
-        head_dim: Size of one attention head (> 0).
+        num_kv_heads: KV heads per layer: one int for every layer, or one entry per layer.
+        head_dim: Size of one attention head (> 0): one int, or one entry per layer.
         dtype: KV cache element type: ``float32``, ``float16``, ``bfloat16``, ``fp8`` or
-            ``int8``.
+            ``int8``; one name, or one entry per layer. ``KvCacheConfig.kv_cache_dtype``
+            overrides it.
         kv_factor: 2 when keys and values are both cached, 1 for K-only caches (MLA).
 
     Raises:
@@ -168,39 +180,54 @@ class ModelConfig:
         [8, 8, 4]
         >>> m.bytes_per_token_per_layer()   # heads * kv_factor * head_dim * dtype_bytes
         [1024, 1024, 512]
+        >>> m = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=[256, 512],
+        ...                 dtype=["bfloat16", "fp8"])
+        >>> m.bytes_per_token_per_layer()
+        [1024, 1024]
     """
 
     num_layers: int
     num_kv_heads: int | Sequence[int]
-    head_dim: int
-    dtype: str = "float16"
+    head_dim: int | Sequence[int]
+    dtype: str | Sequence[str] = "float16"
     kv_factor: int = 2
 
     def __post_init__(self) -> None:
         num_layers = _positive_int("num_layers", self.num_layers)
-        _positive_int("head_dim", self.head_dim)
-        _choice("dtype", self.dtype, tuple(DTYPE_BYTES))
         if not _is_int(self.kv_factor) or self.kv_factor not in (1, 2):
             raise ValueError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}")
-        heads = self.num_kv_heads
-        if _is_int(heads):
-            _positive_int("num_kv_heads", heads)
+        for name in ("num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if _is_int(value):
+                _positive_int(name, value)
+                continue
+            items = _per_layer(name, value, num_layers, "int")
+            checked = tuple(_positive_int(f"{name}[{i}]", _as_int(h)) for i, h in enumerate(items))
+            object.__setattr__(self, name, checked)
+        dtype = self.dtype
+        if isinstance(dtype, str):
+            _choice("dtype", dtype, tuple(DTYPE_BYTES))
         else:
-            items = _sequence("num_kv_heads", heads)
-            if len(items) != num_layers:
-                raise ValueError(
-                    f"num_kv_heads must be an int or a sequence of num_layers={num_layers} "
-                    f"ints, got {len(items)} entries"
-                )
-            checked = tuple(
-                _positive_int(f"num_kv_heads[{i}]", _as_int(h)) for i, h in enumerate(items)
+            items = _per_layer("dtype", dtype, num_layers, "name")
+            names = tuple(
+                _choice(f"dtype[{i}]", d, tuple(DTYPE_BYTES)) for i, d in enumerate(items)
             )
-            object.__setattr__(self, "num_kv_heads", checked)
+            object.__setattr__(self, "dtype", names)
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per element of :attr:`dtype` (``float16`` -> 2, ``fp8`` -> 1)."""
-        return DTYPE_BYTES[self.dtype]
+        """Bytes per element of :attr:`dtype` (``float16`` -> 2, ``fp8`` -> 1).
+
+        Raises:
+            ValueError: The layers differ in dtype (see :meth:`dtype_per_layer`).
+        """
+        names = set(self.dtype_per_layer())
+        if len(names) != 1:
+            raise ValueError(
+                f"the model's layers differ in dtype ({', '.join(sorted(names))}): "
+                "use dtype_per_layer()"
+            )
+        return DTYPE_BYTES[names.pop()]
 
     def kv_heads_per_layer(self) -> list[int]:
         """KV head count of every layer, expanded from an int if needed.
@@ -213,15 +240,56 @@ class ModelConfig:
             return [self.num_kv_heads] * self.num_layers
         return list(self.num_kv_heads)
 
-    def bytes_per_token_per_layer(self) -> list[int]:
+    def head_dim_per_layer(self) -> list[int]:
+        """Head size of every layer, expanded from an int if needed.
+
+        Example:
+            >>> ModelConfig(num_layers=2, num_kv_heads=4, head_dim=8).head_dim_per_layer()
+            [8, 8]
+        """
+        if isinstance(self.head_dim, int):
+            return [self.head_dim] * self.num_layers
+        return list(self.head_dim)
+
+    def dtype_per_layer(self) -> list[str]:
+        """KV dtype of every layer, expanded from one name if needed.
+
+        Example:
+            >>> ModelConfig(num_layers=2, num_kv_heads=4, head_dim=8).dtype_per_layer()
+            ['float16', 'float16']
+        """
+        if isinstance(self.dtype, str):
+            return [self.dtype] * self.num_layers
+        return list(self.dtype)
+
+    def bytes_per_token_per_layer(self, dtypes: Sequence[str] | None = None) -> list[int]:
         """KV bytes one token occupies in each layer: ``heads * kv_factor * head_dim * bytes``.
+
+        Args:
+            dtypes: One dtype per layer to use instead of the model's (as
+                :meth:`KvCacheConfig.kv_dtype_per_layer` resolves them); ``None``: the model's.
+
+        Raises:
+            ValueError: ``dtypes`` does not hold one known dtype per layer.
 
         Example:
             >>> ModelConfig(num_layers=1, num_kv_heads=8, head_dim=128).bytes_per_token_per_layer()
             [4096]
+            >>> ModelConfig(num_layers=1, num_kv_heads=8, head_dim=128).bytes_per_token_per_layer(
+            ...     ["fp8"])
+            [2048]
         """
-        unit = self.kv_factor * self.head_dim * self.dtype_bytes
-        return [heads * unit for heads in self.kv_heads_per_layer()]
+        if dtypes is None:
+            names = self.dtype_per_layer()
+        else:
+            items = _per_layer("dtypes", dtypes, self.num_layers, "name")
+            names = [_choice(f"dtypes[{i}]", d, tuple(DTYPE_BYTES)) for i, d in enumerate(items)]
+        return [
+            heads * self.kv_factor * dim * DTYPE_BYTES[name]
+            for heads, dim, name in zip(
+                self.kv_heads_per_layer(), self.head_dim_per_layer(), names, strict=True
+            )
+        ]
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -237,6 +305,17 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
         return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _per_layer(name: str, value: object, num_layers: int, what: str) -> Sequence[object]:
+    items = _sequence(name, value)
+    if len(items) != num_layers:
+        article = "an" if what == "int" else "a"
+        raise ValueError(
+            f"{name} must be {article} {what} or a sequence of num_layers={num_layers} "
+            f"{what}s, got {len(items)} entries"
+        )
+    return items
 
 
 def _as_int(value: object) -> object:
@@ -314,6 +393,57 @@ def _check_shares(value: object) -> str | tuple[float, ...] | None:
     return _check_share_values(name, _sequence(name, value))
 
 
+#: A ``kv_cache_dtype`` key: a window kind (``"full"``, ``"sliding"``, ``None``) or window size.
+KvDtypeKey = int | str | None
+
+
+def _check_kv_dtype_name(name: str, value: object) -> str:
+    if value == "auto":
+        return "auto"
+    return _choice(name, value, (*DTYPE_BYTES, "auto"))
+
+
+def _check_kv_cache_dtype(value: object) -> str | Mapping[KvDtypeKey, str] | None:
+    """One dtype for every layer, or window kinds / window sizes mapped to dtypes.
+
+    Keys: ``"full"`` (or ``None``), ``"sliding"``, or a window size (an int, or its digits as
+    text, as JSON and TOML spell keys). Values: a dtype name or ``"auto"`` (the model's).
+    Stored as a read-only mapping with ``None`` spelled ``"full"``.
+    """
+    name = "kv_cache_dtype"
+    if value is None or isinstance(value, str):
+        return None if value is None else _check_kv_dtype_name(name, value)
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{name} must be a dtype name or a mapping of window kinds ('full', 'sliding') or "
+            f"window sizes to dtype names, got {value!r}"
+        )
+    if not value:
+        raise ValueError(f"{name} must not be an empty mapping (use None for the model's dtypes)")
+    out: dict[KvDtypeKey, str] = {}
+    for raw, dtype in value.items():
+        key: KvDtypeKey
+        if raw is None or raw == "full":
+            key = "full"
+        elif raw == "sliding":
+            key = "sliding"
+        elif isinstance(raw, str) and raw.strip().isdigit():
+            key = int(raw.strip())
+        else:
+            raw = _as_int(raw)
+            if not _is_int(raw):
+                raise ValueError(
+                    f"{name} keys must be 'full' (or None), 'sliding' or a window size, got {raw!r}"
+                )
+            key = raw
+        if isinstance(key, int) and key <= 0:
+            raise ValueError(f"{name} window sizes must be positive, got {key}")
+        if key in out:
+            raise ValueError(f"{name} names {key!r} twice (None and 'full' are the same key)")
+        out[key] = _check_kv_dtype_name(f"{name}[{key!r}]", dtype)
+    return MappingProxyType(out)
+
+
 @dataclass(frozen=True)
 class KvCacheConfig:
     """How the KV cache is sized and behaves. See API.md "Configuration".
@@ -348,7 +478,7 @@ class KvCacheConfig:
         protect_reused_blocks: Segmented LRU (default): a cached block that served a reuse
             hit is evicted only after the cached blocks of its priority that never did, so a
             stream of prompts seen once cannot flush a prefix that requests keep sharing (at
-            most half of a pool is protected). ``False``: plain LRU within each priority.
+            most a tenth of a pool is protected). ``False``: plain LRU within each priority.
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.
@@ -356,6 +486,14 @@ class KvCacheConfig:
             prefill chunks, > 0; default 8192). The ``"auto"`` share policy counts them as
             the prefill chunks a sliding window holds on top of its window.
         backend: ``"auto"``, ``"cuda"``, ``"host"`` or ``"virtual"``.
+        kv_cache_dtype: KV dtype overriding the model's: one name for every layer
+            (``"fp8"``), or a mapping from window kinds or window sizes to names:
+            ``{"full": "fp8", "sliding": "bfloat16"}`` or ``{1024: "bfloat16", None: "fp8"}``
+            (``None`` is ``"full"``; a window size matches the layers of that window after
+            full-attention windows become ``max_seq_len``; it wins over a kind). ``"auto"``
+            or a layer no key matches keeps the model's dtype. ``None``: the model's dtypes.
+            A mapping is stored read-only with ``"full"`` for ``None``; window-size keys
+            may be written as digits (``"1024"``), as JSON and TOML keys are text.
 
     Raises:
         ValueError: A field has the wrong type or is out of range; the message names it.
@@ -386,6 +524,7 @@ class KvCacheConfig:
     backend: str = "auto"
     expected_seq_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kv_cache_dtype: str | Mapping[KvDtypeKey, str] | None = None
     disk_cache_size: int = 0
     disk_cache_dir: str | None = None
 
@@ -437,6 +576,10 @@ class KvCacheConfig:
         _non_negative_int("event_buffer_max_size", self.event_buffer_max_size)
         _choice("swa_reuse_policy", self.swa_reuse_policy, SWA_REUSE_POLICIES)
         _choice("backend", self.backend, BACKENDS)
+        object.__setattr__(self, "kv_cache_dtype", _check_kv_cache_dtype(self.kv_cache_dtype))
+
+    def __hash__(self) -> int:
+        return hash(tuple(_hashable(getattr(self, name)) for name in _field_names(type(self))))
 
     def attention_window_per_layer(self, num_layers: int, max_seq_len: int) -> list[int]:
         """The attention window of every layer, with full attention as ``max_seq_len``.
@@ -476,6 +619,53 @@ class KvCacheConfig:
         for layer in range(num_layers):
             w = pattern[layer % len(pattern)]
             out.append(max_seq_len if w is None or w >= max_seq_len else w)
+        return out
+
+    def kv_dtype_per_layer(self, model: ModelConfig, max_seq_len: int) -> list[str]:
+        """The KV dtype of every layer: the model's, overridden by :attr:`kv_cache_dtype`.
+
+        A window-size key matches the layers whose window (:meth:`attention_window_per_layer`,
+        full attention as ``max_seq_len``) equals it and wins over ``"full"`` / ``"sliding"``,
+        which match full-attention and sliding-window layers; ``"auto"`` keeps the model's.
+
+        Args:
+            model: The model (its dtypes and layer count).
+            max_seq_len: Longest sequence (decides which layers are full attention).
+
+        Returns:
+            One dtype name per layer.
+
+        Raises:
+            ValueError: A window-size key matches no layer (the message lists the windows).
+
+        Example:
+            >>> m = ModelConfig(num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16")
+            >>> c = KvCacheConfig(max_attention_window=[512, 512, None],
+            ...                   kv_cache_dtype={"full": "fp8"})
+            >>> c.kv_dtype_per_layer(m, 4096)
+            ['bfloat16', 'bfloat16', 'fp8']
+            >>> KvCacheConfig(max_attention_window=[512, None], kv_cache_dtype={512: "fp8"}
+            ...               ).kv_dtype_per_layer(m, 4096)
+            ['fp8', 'bfloat16', 'fp8']
+        """
+        model_dtypes = model.dtype_per_layer()
+        choice = self.kv_cache_dtype
+        if choice is None:
+            return model_dtypes
+        if isinstance(choice, str):
+            return model_dtypes if choice == "auto" else [choice] * model.num_layers
+        windows = self.attention_window_per_layer(model.num_layers, max_seq_len)
+        unknown = sorted(k for k in choice if isinstance(k, int) and k not in windows)
+        if unknown:
+            raise ValueError(
+                f"kv_cache_dtype names window(s) {unknown} but the model's windows at "
+                f"max_seq_len={max_seq_len} are {sorted(set(windows))}"
+            )
+        out = []
+        for window, own in zip(windows, model_dtypes, strict=True):
+            kind = "full" if window >= max_seq_len else "sliding"
+            name = choice.get(window, choice.get(kind, "auto"))
+            out.append(own if name == "auto" else name)
         return out
 
     @classmethod
@@ -541,6 +731,12 @@ class KvCacheConfig:
             return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{str(p)!r}: {e}") from None
+
+
+def _hashable(value: object) -> object:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), v) for k, v in value.items()))
+    return value
 
 
 def _load_toml(text: str) -> object:

@@ -232,11 +232,15 @@ def _native_kwargs(
                 f"(primary, secondary, disk) triple, got {count!r}"
             )
     pattern = config.max_attention_window
+    head_dims = model.head_dim_per_layer()
+    dtypes = config.kv_dtype_per_layer(model, max_seq_len)
     return {
         "num_layers": model.num_layers,
         "num_kv_heads": model.kv_heads_per_layer(),
-        "head_dim": model.head_dim,
-        "dtype": model.dtype,
+        "head_dim": head_dims[0],
+        "dtype": dtypes[0],
+        "head_dims": head_dims if len(set(head_dims)) > 1 else [],
+        "dtypes": dtypes if len(set(dtypes)) > 1 else [],
         "kv_factor": model.kv_factor,
         "tokens_per_block": config.tokens_per_block,
         "max_attention_window": [0 if w is None else int(w) for w in (pattern or [])],
@@ -258,13 +262,20 @@ def _native_kwargs(
     }
 
 
+def _draft_for_sizing(value: object) -> int:
+    """``max_draft_tokens`` for the sizing; a bad value is reported by the native constructor."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return 0
+
+
 class KVCacheManager(_core.KVCacheManager):
     """KV cache manager for models with one or more attention windows (VSWA).
 
-    One block pool per (window, KV-head count); every window's blocks are written linearly
-    and sliding windows release blocks that left the window. Every mutating call either
-    succeeds or raises with nothing changed. Thread-safe (one internal mutex; long calls
-    release the GIL).
+    One block pool per (window, KV-head count, head size, dtype); every window's blocks are
+    written linearly and sliding windows release blocks that left the window. Every mutating
+    call either succeeds or raises with nothing changed. Thread-safe (one internal mutex;
+    long calls release the GIL).
 
     Request ids are ints in ``[0, 2**63)``; an id or other integer argument out of range raises
     ``ValueError`` naming the argument (``has_sequence`` of a negative id is ``False``). A
@@ -347,6 +358,7 @@ class KVCacheManager(_core.KVCacheManager):
             primary_bytes,
             config.host_cache_size,
             max_batch_size=max_batch_size if max_batch_size > 0 else None,
+            max_draft_tokens=_draft_for_sizing(max_draft_tokens),
             process_group=process_group,
         )
         sized: dict[int, tuple[int, int] | tuple[int, int, int]] = dict(blocks)
@@ -359,6 +371,7 @@ class KVCacheManager(_core.KVCacheManager):
                 primary_bytes,
                 config.disk_cache_size,
                 max_batch_size=max_batch_size if max_batch_size > 0 else None,
+                max_draft_tokens=_draft_for_sizing(max_draft_tokens),
                 process_group=process_group,
             )
             sized = {w: (p, s, disk[w][1]) for w, (p, s) in blocks.items()}

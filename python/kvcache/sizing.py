@@ -126,11 +126,13 @@ def bytes_per_token(model: ModelConfig, config: KvCacheConfig, max_seq_len: int)
     """KV bytes one token occupies in each window, summed over that window's layers.
 
     ``bytes_per_token[w]`` = sum over the layers of window ``w`` of
-    ``num_kv_heads[layer] * kv_factor * head_dim * dtype_bytes``.
+    ``num_kv_heads[layer] * kv_factor * head_dim[layer] * dtype_bytes[layer]``, with each
+    layer's dtype from :meth:`KvCacheConfig.kv_dtype_per_layer` (``config.kv_cache_dtype``
+    over the model's).
 
     Args:
         model: The model's attention shape.
-        config: Supplies the ``max_attention_window`` pattern.
+        config: Supplies the ``max_attention_window`` pattern and ``kv_cache_dtype``.
         max_seq_len: Longest sequence; full-attention layers get this window.
 
     Returns:
@@ -143,10 +145,14 @@ def bytes_per_token(model: ModelConfig, config: KvCacheConfig, max_seq_len: int)
         >>> m = ModelConfig(num_layers=3, num_kv_heads=[8, 8, 4], head_dim=128)
         >>> bytes_per_token(m, KvCacheConfig(max_attention_window=[1024, 1024, None]), 8192)
         {1024: 8192, 8192: 2048}
+        >>> bytes_per_token(m, KvCacheConfig(max_attention_window=[1024, 1024, None],
+        ...                                  kv_cache_dtype={"full": "fp8"}), 8192)
+        {1024: 8192, 8192: 1024}
     """
     layer_windows = config.attention_window_per_layer(model.num_layers, max_seq_len)
+    dtypes = config.kv_dtype_per_layer(model, max_seq_len)
     out = dict.fromkeys(sorted(set(layer_windows)), 0)
-    for window, nbytes in zip(layer_windows, model.bytes_per_token_per_layer(), strict=True):
+    for window, nbytes in zip(layer_windows, model.bytes_per_token_per_layer(dtypes), strict=True):
         out[window] += nbytes
     return out
 
@@ -216,6 +222,7 @@ def _share_fractions(
     max_batch_size: int | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     primary_bytes: int | None = None,
+    max_draft_tokens: int = 0,
 ) -> dict[int, Fraction]:
     """Exact shares per window (ascending); see :func:`window_size_shares`."""
     windows = sorted(bpt)
@@ -245,8 +252,11 @@ def _share_fractions(
             )
         _positive("expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len)
         tpb = _positive("tokens_per_block", tokens_per_block)
+        draft = _non_negative("max_draft_tokens", max_draft_tokens)
         if max_batch_size is None:
-            weights = [Fraction(min(w + tpb, seq_len) * bpt[w]) for w in windows]
+            weights = [
+                Fraction(_live_blocks(w + draft, seq_len, tpb) * tpb * bpt[w]) for w in windows
+            ]
         else:
             demand = auto_demand_tokens(
                 windows,
@@ -254,8 +264,10 @@ def _share_fractions(
                 tokens_per_block=tpb,
                 max_batch_size=max_batch_size,
                 max_num_batched_tokens=max_num_batched_tokens,
+                max_draft_tokens=draft,
             )
-            weights = _auto_weights(bpt, demand, max_batch_size * seq_len, primary_bytes)
+            whole = max_batch_size * -(-seq_len // tpb) * tpb
+            weights = _auto_weights(bpt, demand, whole, primary_bytes)
     else:
         raise ValueError(
             f"{source}: unknown share policy {policy!r}; expected one of "
@@ -267,6 +279,12 @@ def _share_fractions(
     return {w: x / total for w, x in zip(windows, weights, strict=True)}
 
 
+def _live_blocks(keep: int, seq_len: int, tpb: int) -> int:
+    """Most blocks one decoding sequence of ``seq_len`` tokens holds in a window that keeps
+    ``keep`` tokens: ``min(ceil((keep - 1) / tpb) + 1, ceil(seq_len / tpb))``."""
+    return min(-(-(keep - 1) // tpb) + 1, -(-seq_len // tpb))
+
+
 def auto_demand_tokens(
     windows: Sequence[int],
     seq_len: int,
@@ -274,18 +292,24 @@ def auto_demand_tokens(
     tokens_per_block: int,
     max_batch_size: int,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_draft_tokens: int = 0,
 ) -> dict[int, int]:
     """Tokens of live blocks each window needs with ``max_batch_size`` sequences running
     under chunked prefill; the demand that the ``"auto"`` policy sizes for.
 
-    ``demand[w] = min(n * (w + tokens_per_block) + B, n * L)`` with ``n = max_batch_size``,
-    ``B = max_num_batched_tokens`` and ``L = seq_len``. A decoding sequence keeps
-    ``ceil(w / tpb) + 1`` blocks of a sliding window (``w + tpb`` tokens for a block-aligned
-    window); a sequence in prefill keeps its last chunk on top of that, and the chunks of one
-    step add up to at most ``B`` tokens. No window holds more than the whole sequence, ``L``
-    tokens each: that is the demand of full attention (``w >= L``). For sliding windows this
-    is an upper bound; for full attention an estimate (sequences of the typical length ``L``;
-    long ones running together can exceed it, shared prefixes lower it).
+    ``demand[w] = t * min(floor((n * (w + D + 2t - 2) + B) / t), n * ceil(L / t))`` with
+    ``t = tokens_per_block``, ``n = max_batch_size``, ``D = max_draft_tokens``,
+    ``B = max_num_batched_tokens`` and ``L = seq_len``. A sliding window keeps the last
+    ``K = w + D`` tokens of a sequence (drafts may be rewound), and ``K`` tokens that do not
+    start at a block boundary straddle one more block: a decoding sequence holds at most
+    ``ceil((K - 1) / t) + 1`` blocks (never more than ``ceil(K / t) + 1``). A sequence in
+    prefill holds its chunk of ``C`` tokens on top, at most ``ceil((K + C - 1) / t) + 1``
+    blocks; the chunks of one step add up to at most ``B`` tokens, so summed over the
+    sequences, rounding included, the blocks stay below ``(n * (K + 2t - 2) + B) / t``. No
+    window holds more than the whole sequence, ``ceil(L / t)`` blocks each: that is the
+    demand of full attention (``w >= L``). For sliding windows this is an upper bound; for
+    full attention an estimate (sequences of the typical length ``L``; long ones running
+    together can exceed it, shared prefixes lower it).
 
     Args:
         windows: The windows, ascending.
@@ -293,25 +317,33 @@ def auto_demand_tokens(
         tokens_per_block: Block size.
         max_batch_size: Most sequences running at once.
         max_num_batched_tokens: Token budget of one engine step (decodes and prefill chunks).
+        max_draft_tokens: Draft tokens a sliding window keeps beyond the window.
 
     Returns:
-        Window -> tokens, ascending window order.
+        Window -> tokens (whole blocks), ascending window order.
 
     Raises:
-        ValueError: An argument is not a positive int.
+        ValueError: An argument is not a positive int (``max_draft_tokens``: non-negative).
 
     Example:
         128 sequences of 2,818 tokens, a 512-token window, 32-token blocks, 8,192 tokens a step:
-        the window holds 128 x 544 + 8192 = 77,824 tokens, full attention 128 x 2818.
+        the window holds (128 x (512 + 62) + 8192) / 32 = 2,552 blocks, full attention
+        128 x ceil(2818 / 32) = 11,392 blocks.
 
         >>> auto_demand_tokens([512, 4496], 2818, tokens_per_block=32, max_batch_size=128)
-        {512: 77824, 4496: 360704}
+        {512: 81664, 4496: 364544}
     """
     seq = _positive("expected_seq_len", seq_len)
     tpb = _positive("tokens_per_block", tokens_per_block)
     n = _positive("max_batch_size", max_batch_size)
     step = _positive("max_num_batched_tokens", max_num_batched_tokens)
-    return {_positive("window", w): min(n * (w + tpb) + step, n * seq) for w in windows}
+    draft = _non_negative("max_draft_tokens", max_draft_tokens)
+    whole = n * -(-seq // tpb)
+    out = {}
+    for w in windows:
+        keep = _positive("window", w) + draft
+        out[w] = tpb * min((n * (keep + 2 * tpb - 2) + step) // tpb, whole)
+    return out
 
 
 def _auto_weights(
@@ -345,6 +377,7 @@ def window_size_shares(
     max_batch_size: int | None = None,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     primary_bytes: int | None = None,
+    max_draft_tokens: int = 0,
 ) -> dict[int, float]:
     """Fraction of the memory budget given to each attention window; sums to 1.0.
 
@@ -357,8 +390,10 @@ def window_size_shares(
       max_seq_len``:
 
       - with ``max_batch_size``: each window first gets the bytes of its demand
-        (:func:`auto_demand_tokens`: ``min(n * (window + tokens_per_block) + B, n * L)``
-        tokens with ``n = max_batch_size``, ``B = max_num_batched_tokens``). What
+        (:func:`auto_demand_tokens`: about ``n * (window + D + 2 * tokens_per_block) + B``
+        tokens, at most ``n * L``, with ``n = max_batch_size``, ``B =
+        max_num_batched_tokens``, ``D = max_draft_tokens``, counting the block a window
+        straddles at a block boundary). What
         ``primary_bytes`` holds beyond that goes to the sliding windows (those that hold
         less than the whole sequence), the same number of tokens to each: running
         sequences keep the prefixes they share alive in a full-attention window, but
@@ -366,9 +401,11 @@ def window_size_shares(
         window keeps a cached prefix only in free blocks. Without ``primary_bytes``, or when
         it does not cover the demand, shares ∝ demand: every window runs out at the same
         concurrency.
-      - without ``max_batch_size``: share ∝ ``min(window + tokens_per_block, L) *
-        bytes_per_token[window]``, the bytes one decoding sequence keeps live, so every
-        window runs out at the same concurrency.
+      - without ``max_batch_size``: share ∝ ``min(ceil((window + D - 1) /
+        tokens_per_block) + 1, ceil(L / tokens_per_block)) * tokens_per_block *
+        bytes_per_token[window]``, the bytes one decoding sequence keeps live (the window,
+        its drafts and the block it straddles), so every window runs out at the same
+        concurrency.
     * a sequence of numbers (or comma-separated text): one share per window in ascending
       window order, normalised to sum 1.
 
@@ -385,6 +422,8 @@ def window_size_shares(
             ``max_batch_size``.
         primary_bytes: The budget the shares divide, used by ``"auto"`` with
             ``max_batch_size``.
+        max_draft_tokens: Draft tokens sliding windows keep beyond the window, used by
+            ``"auto"``.
 
     Returns:
         Window -> share, ascending window order, summing to 1.0.
@@ -417,12 +456,12 @@ def window_size_shares(
 
         From demand: windows {512, full} with 4096 B per token each, 128 sequences of 2,818
         tokens, 8,192 tokens a step and 20,000 blocks of 32 tokens: full attention gets its
-        128 x 2818 tokens (11,272 blocks), the sliding window the other 8,728 blocks.
+        128 x ceil(2818 / 32) = 11,392 blocks, the sliding window the other 8,608 blocks.
 
         >>> s = window_size_shares({512: 4096, 4496: 4096}, "auto", expected_seq_len=2818,
         ...                        max_batch_size=128, primary_bytes=20000 * 32 * 4096)
         >>> round(s[4496] * 20000, 6), round(s[512] * 20000, 6)
-        (11272.0, 8728.0)
+        (11392.0, 8608.0)
     """
     if policy is None:
         resolved, source = resolve_share_policy(None)
@@ -441,6 +480,7 @@ def window_size_shares(
         max_batch_size=max_batch_size,
         max_num_batched_tokens=max_num_batched_tokens,
         primary_bytes=primary_bytes,
+        max_draft_tokens=max_draft_tokens,
     )
     return {w: float(f) for w, f in fractions.items()}
 
@@ -459,6 +499,7 @@ def blocks_per_window(
     *,
     expected_seq_len: int | None = None,
     max_batch_size: int | None = None,
+    max_draft_tokens: int = 0,
     process_group: Any = None,
 ) -> dict[int, tuple[int, int]]:
     """Primary and secondary block counts per window for a memory budget.
@@ -485,6 +526,8 @@ def blocks_per_window(
             window from its demand under chunked prefill (with
             ``config.max_num_batched_tokens``) and gives the rest of ``primary_bytes`` to
             the sliding windows; see :func:`window_size_shares`.
+        max_draft_tokens: Draft tokens sliding windows keep beyond the window (the
+            manager's ``max_draft_tokens``), counted by ``"auto"``.
         process_group: A ``torch.distributed`` process group: every rank of it must call
             this, and every rank gets the per-window minimum over the ranks (tensor-parallel
             ranks need identical pools; see :func:`kvcache.distributed.min_reduce_blocks`).
@@ -522,6 +565,7 @@ def blocks_per_window(
                 secondary_bytes,
                 expected_seq_len=expected_seq_len,
                 max_batch_size=max_batch_size,
+                max_draft_tokens=max_draft_tokens,
             )
         except ValueError:
             min_reduce_blocks(None, process_group)  # lets the other ranks fail too
@@ -546,6 +590,7 @@ def blocks_per_window(
         max_batch_size=max_batch_size,
         max_num_batched_tokens=config.max_num_batched_tokens,
         primary_bytes=primary if primary > 0 else None,
+        max_draft_tokens=max_draft_tokens,
     )
     windows = list(bpt)
     cap: int | None = None
@@ -599,18 +644,22 @@ def blocks_per_window(
     return out
 
 
-def max_blocks_per_sequence(seq_len: int, window: int, tokens_per_block: int) -> int:
+def max_blocks_per_sequence(
+    seq_len: int, window: int, tokens_per_block: int, max_draft_tokens: int = 0
+) -> int:
     """Blocks one sequence of ``seq_len`` tokens needs at most in a window while decoding.
 
-    Full attention (``seq_len <= window``) needs ``ceil(seq_len / tokens_per_block)``. A
-    sliding window keeps the blocks covering the last ``window`` tokens; a window-sized span
-    that is not block-aligned straddles one more block, so it needs
-    ``ceil(window / tokens_per_block) + 1``.
+    A window keeps the last ``K = window + max_draft_tokens`` tokens. When the sequence fits
+    (``seq_len <= K``, always for full attention) it needs ``ceil(seq_len / tokens_per_block)``.
+    Otherwise ``K`` tokens that do not start at a block boundary straddle one more block:
+    ``ceil((K - 1) / tokens_per_block) + 1`` (at most ``ceil(K / tokens_per_block) + 1``, one
+    less when ``K`` is one past a block boundary), never more than the whole sequence.
 
     Args:
         seq_len: Tokens in the sequence (> 0).
         window: Attention window (> 0).
         tokens_per_block: Block size (> 0).
+        max_draft_tokens: Draft tokens the window keeps beyond it (>= 0).
 
     Returns:
         The block count.
@@ -619,12 +668,16 @@ def max_blocks_per_sequence(seq_len: int, window: int, tokens_per_block: int) ->
         >>> max_blocks_per_sequence(512, 1024, 64), max_blocks_per_sequence(513, 1024, 64)
         (8, 9)
         >>> max_blocks_per_sequence(512, 256, 64), max_blocks_per_sequence(512, 257, 64)
-        (5, 6)
+        (5, 5)
+        >>> max_blocks_per_sequence(512, 258, 64), max_blocks_per_sequence(512, 256, 64, 2)
+        (6, 6)
     """
     n = _positive("seq_len", seq_len)
-    w = _positive("window", window)
+    keep = _positive("window", window) + _non_negative("max_draft_tokens", max_draft_tokens)
     tpb = _positive("tokens_per_block", tokens_per_block)
-    return -(-min(n, w) // tpb) + (1 if n > w else 0)
+    if n <= keep:
+        return -(-n // tpb)
+    return _live_blocks(keep, n, tpb)
 
 
 # --------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ TEST(EvictionPolicyTest, HighestPriorityQueueIsReachable) {
 }
 
 TEST(EvictionPolicyTest, ProtectedAfterProbationOfTheSamePriority) {
-  EvictionPolicy p(8, 0);
+  EvictionPolicy p(8, 0, /*protected_fraction=*/0.5);
   p.Push(0, 35, false, /*protect=*/true);
   p.Push(1, 35);
   p.Push(2, 20, false, /*protect=*/true);
@@ -94,7 +94,7 @@ TEST(EvictionPolicyTest, ProtectedAfterProbationOfTheSamePriority) {
 }
 
 TEST(EvictionPolicyTest, ProtectedCapDemotesTheOldestOfThatPriority) {
-  EvictionPolicy p(6, 0);  // cap: 3 protected primary blocks
+  EvictionPolicy p(6, 0, 0.5);  // cap: 3 protected primary blocks
   EXPECT_EQ(p.Push(0, 35, false, true), kNullBlock);
   EXPECT_EQ(p.Push(1, 35, false, true), kNullBlock);
   EXPECT_EQ(p.Push(2, 35), kNullBlock);
@@ -108,6 +108,16 @@ TEST(EvictionPolicyTest, ProtectedCapDemotesTheOldestOfThatPriority) {
   EXPECT_FALSE(p.QueuedProtected(5));
   EXPECT_EQ(p.NumProtected(CacheLevel::kPrimary), 3);
   EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{2, 0, 1, 3, 4, 5}));
+}
+
+TEST(EvictionPolicyTest, DefaultCapIsATenthRoundedUp) {
+  EvictionPolicy p(11, 0);  // cap ceil(1.1) = 2
+  EXPECT_EQ(p.Push(0, 35, false, true), kNullBlock);
+  EXPECT_EQ(p.Push(1, 35, false, true), kNullBlock);
+  EXPECT_EQ(p.Push(2, 35, false, true), 0);
+  EvictionPolicy none(8, 0, 0.0);  // nothing may be protected
+  EXPECT_EQ(none.Push(3, 35, false, true), 3);
+  EXPECT_EQ(none.NumProtected(CacheLevel::kPrimary), 0);
 }
 
 TEST(EvictionPolicyTest, HighestProtectedQueueIsReachable) {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -40,6 +41,11 @@ TEST(KVCacheManagerTest, RejectsBadConstruction) {
   EXPECT_THROW(KVCacheManager(Model(2), Config({8, 0}, 0, {{8, 4}, {64, 4}})), std::invalid_argument);
   EXPECT_THROW(KVCacheManager(Model(3, {1, 2}), Config({}, 64, {{64, 4}})), std::invalid_argument);
   EXPECT_THROW(KVCacheManager(Model(2), Config({}, 64, {{64, 4}}, 0)), std::invalid_argument);
+  for (const double fraction : {-0.1, 1.5, std::nan("")}) {
+    ManagerConfig c = Config({}, 64, {{64, 4}});
+    c.protected_fraction = fraction;
+    EXPECT_THROW(KVCacheManager(Model(2), c), std::invalid_argument) << fraction;
+  }
 }
 
 // Window 3 with 4-token blocks: allocation and release token by token.
@@ -165,6 +171,68 @@ TEST(KVCacheManagerTest, PerLayerHeadsGiveSeveralPools) {
   }
   EXPECT_THROW(m.CopyBlockOffsets(out.data(), rows, 2, ids, 2, 0), std::invalid_argument);
   EXPECT_THROW(m.CopyBlockOffsets(out.data(), rows, width, ids, 2, 2), std::invalid_argument);
+}
+
+// Layers that differ in head size and dtype, interleaved over the windows: one pool per
+// (window, heads, head size, dtype), ordered by heads, then head size, then dtype.
+TEST(KVCacheManagerTest, PerLayerHeadSizeAndDtypeGiveSeveralPools) {
+  ModelSpec model = Model(6, {1, 2, 1, 2, 1, 2});
+  model.head_dims = {4, 8, 8, 8, 4, 8};
+  const DType bf = DType::kBFloat16;
+  model.dtypes = {bf, DType::kFp8, bf, DType::kFp8, bf, DType::kFloat16};
+  KVCacheManager m(model, Config({8, 0}, 32, {{8, 3}, {32, 5}}));
+  const auto pools = m.pools();
+  ASSERT_EQ(pools.size(), 4u);
+  using V = std::vector<std::int32_t>;
+  EXPECT_EQ(pools[0].window, 8);
+  EXPECT_EQ(pools[0].layers, (V{0, 4}));
+  EXPECT_EQ(pools[0].head_dim, 4);
+  EXPECT_EQ(pools[0].dtype, bf);
+  EXPECT_EQ(pools[0].block_bytes, 2u * 2 * 1 * 4 * 4 * 2);
+  EXPECT_EQ(pools[1].layers, (V{2}));
+  EXPECT_EQ(pools[1].head_dim, 8);
+  EXPECT_EQ(pools[1].block_bytes, 1u * 2 * 1 * 4 * 8 * 2);
+  EXPECT_EQ(pools[2].window, 32);
+  EXPECT_EQ(pools[2].layers, (V{5}));
+  EXPECT_EQ(pools[2].dtype, DType::kFloat16);
+  EXPECT_EQ(pools[2].block_bytes, 1u * 2 * 2 * 4 * 8 * 2);
+  EXPECT_EQ(pools[3].layers, (V{1, 3}));
+  EXPECT_EQ(pools[3].num_kv_heads, 2);
+  EXPECT_EQ(pools[3].dtype, DType::kFp8);
+  EXPECT_EQ(pools[3].block_bytes, 2u * 2 * 2 * 4 * 8 * 1);
+  using P = std::pair<std::int32_t, std::int32_t>;
+  EXPECT_EQ(m.layer_to_pool(), (std::vector<P>{{0, 0}, {3, 0}, {1, 0}, {3, 1}, {0, 1}, {2, 0}}));
+  EXPECT_EQ(m.GetStats().allocated_bytes, 3 * (128 + 128) + 5 * (256 + 256));
+
+  const LayerView fp8 = m.GetLayerView(3);
+  EXPECT_EQ(fp8.dtype, DType::kFp8);
+  EXPECT_EQ(fp8.data, static_cast<void*>(reinterpret_cast<unsigned char*>(pools[3].primary_ptr) + 128));
+  EXPECT_EQ(fp8.shape, (std::array<std::int64_t, 5>{5, 2, 2, 4, 8}));
+  EXPECT_EQ(fp8.strides, (std::array<std::int64_t, 5>{256, 64, 32, 8, 1}));
+  const LayerView small = m.GetLayerView(4);
+  EXPECT_EQ(small.dtype, bf);
+  EXPECT_EQ(small.data, static_cast<void*>(reinterpret_cast<unsigned char*>(pools[0].primary_ptr) + 64));
+  EXPECT_EQ(small.shape, (std::array<std::int64_t, 5>{3, 2, 1, 4, 4}));
+  EXPECT_EQ(small.strides, (std::array<std::int64_t, 5>{128, 32, 32, 8, 2}));
+
+  Add(m, 1, 6);  // 2 blocks in each window: 0 1
+  std::vector<std::int32_t> out(4 * 1 * 2 * 2, 0);
+  const SeqId id = 1;
+  EXPECT_EQ(m.CopyBlockOffsets(out.data(), 1, 2, &id, 1, 0), 2);
+  // block * layers_in_pool * kv_factor + k, per pool: strides 4, 2, 2, 4.
+  EXPECT_EQ(out, (V{0, 4, 1, 5, 0, 2, 1, 3, 0, 2, 1, 3, 0, 4, 1, 5}));
+  m.CheckInvariants();
+}
+
+TEST(KVCacheManagerTest, PerLayerShapeListsMustCoverEveryLayer) {
+  ModelSpec model = Model(2);
+  model.head_dims = {8};
+  EXPECT_THROW(KVCacheManager(model, Config({}, 32, {{32, 4}})), std::invalid_argument);
+  model.head_dims = {8, 0};
+  EXPECT_THROW(KVCacheManager(model, Config({}, 32, {{32, 4}})), std::invalid_argument);
+  model.head_dims = {};
+  model.dtypes = {DType::kFp8};
+  EXPECT_THROW(KVCacheManager(model, Config({}, 32, {{32, 4}})), std::invalid_argument);
 }
 
 TEST(KVCacheManagerTest, OffsetTableShowsReleasedPositionsAsSentinel) {

@@ -210,6 +210,7 @@ TEST(ReuseTest, HitPrefixOutlivesPromptsSeenOnce) {
     SCOPED_TRACE(protect ? "segmented LRU" : "plain LRU");
     ManagerConfig c = ReuseConfig({}, 64, {{64, 10}});
     c.protect_hit_blocks = protect;
+    c.protected_fraction = 0.5;  // 5 of the 10 blocks
     KVCacheManager m(Model(1), c);
     const auto shared = Iota(9, 1000);
     Add(m, 1, shared);  // blocks 0, 1 stored; 2 (one token) goes back to the scratch queue

@@ -122,6 +122,7 @@ def test_kv_defaults_match_api() -> None:
         "backend": "auto",
         "expected_seq_len": None,
         "max_num_batched_tokens": 8192,
+        "kv_cache_dtype": None,
         "disk_cache_size": 0,
         "disk_cache_dir": None,
     }

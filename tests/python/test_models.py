@@ -19,6 +19,10 @@ ALL = [
     "gemma-3-1b",
     "gemma-3-27b",
     "gemma-3-4b",
+    "gemma-4-26b-a4b",
+    "gemma-4-31b",
+    "gemma-4-e2b",
+    "gemma-4-e4b",
     "gpt-oss-120b",
     "gpt-oss-20b",
     "llama-3.1-8b",
@@ -47,7 +51,7 @@ def test_list_models() -> None:
     assert list_models() == ALL
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", sorted(SHAPES))
 def test_preset_shape(name: str) -> None:
     p = load_model(name)
     layers, heads, head_dim, pattern, context = SHAPES[name]
@@ -66,6 +70,49 @@ def test_preset_shape(name: str) -> None:
     assert config.tokens_per_block == 64
     expected = sorted({context if w is None else w for w in (pattern or (None,))})
     assert window_sizes(p.model, config, p.max_context) == expected
+
+
+# Gemma 4: name -> (layers, pattern, (sliding heads, head size), (full heads, head size),
+# max context, bytes per token of the sliding window, of the full window).
+G4_31B = (1024,) * 5 + (None,)
+GEMMA4: dict[str, tuple[int, tuple[int | None, ...], tuple[int, int], tuple[int, int], int]] = {
+    "gemma-4-31b": (60, G4_31B, (16, 256), (4, 512), 262144),
+    "gemma-4-26b-a4b": (30, G4_31B, (8, 256), (2, 512), 262144),
+    "gemma-4-e4b": (24, (512,) * 5 + (None,), (2, 256), (2, 512), 131072),
+    "gemma-4-e2b": (15, (512,) * 4 + (None,), (1, 256), (1, 512), 131072),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_gemma4_presets_have_per_layer_shapes(name: str) -> None:
+    p = load_model(name)
+    layers, pattern, sliding, full, context = GEMMA4[name]
+    assert p.max_attention_window == pattern
+    assert p.max_context == context
+    assert p.model.num_layers == layers
+    assert p.model.dtype == "bfloat16"
+    assert "transformers" in p.source and "config" in p.source
+    kinds = [pattern[i % len(pattern)] is None for i in range(layers)]
+    assert p.model.kv_heads_per_layer() == [full[0] if f else sliding[0] for f in kinds]
+    assert p.model.head_dim_per_layer() == [full[1] if f else sliding[1] for f in kinds]
+
+
+def test_gemma4_bytes_per_token() -> None:
+    # heads x 2 (K, V) x head size x 2 B, summed over each window's layers
+    expected = {
+        "gemma-4-31b": {1024: 50 * 16 * 2 * 256 * 2, 262144: 10 * 4 * 2 * 512 * 2},
+        "gemma-4-26b-a4b": {1024: 25 * 8 * 2 * 256 * 2, 262144: 5 * 2 * 2 * 512 * 2},
+        "gemma-4-e4b": {512: 20 * 2 * 2 * 256 * 2, 131072: 4 * 2 * 2 * 512 * 2},
+        "gemma-4-e2b": {512: 12 * 1 * 2 * 256 * 2, 131072: 3 * 1 * 2 * 512 * 2},
+    }
+    for name, bpt in expected.items():
+        p = load_model(name)
+        assert bytes_per_token(p.model, p.kv_cache_config(), p.max_context) == bpt
+    assert expected["gemma-4-31b"] == {1024: 819200, 262144: 81920}
+    # FP8 full layers halve the full window only
+    p = load_model("gemma-4-31b")
+    fp8 = p.kv_cache_config(kv_cache_dtype={"full": "fp8"})
+    assert bytes_per_token(p.model, fp8, 32768) == {1024: 819200, 32768: 40960}
 
 
 def test_gemma3_27b_layer_split() -> None:

@@ -7,6 +7,8 @@ a fresh namespace. Links must name files of this repository (a clone has nothing
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -54,6 +56,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_python_blocks_run(path: Path, line: int, code: str) -> None:
     """Each block is a whole program: no names from elsewhere, no errors."""
+    if "kvcache.engine" in code or "kvcache.torch" in code:
+        for extra in ("torch", "transformers"):
+            if importlib.util.find_spec(extra) is None:
+                pytest.skip(f"needs {extra} (the torch extra)")
     exec(compile(code, f"{path.name}:{line}", "exec"), {"__name__": "__readme__"})
 
 
@@ -109,9 +115,16 @@ def test_api_reference_covers_the_public_api(capsys: pytest.CaptureFixture[str])
     names |= {n for n in dir(kvcache.KVCacheManager) if not n.startswith("_")}
     names |= {n for n in dir(kvcache.KVCacheResourceManager) if not n.startswith("_")}
     names |= {"KVCACHE_WINDOW_SIZE_SHARES", "TRTLLM_WINDOW_SIZE_SHARES", "available_memory_bytes"}
+    if all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        engine = importlib.import_module("kvcache.engine")
+        kv_torch = importlib.import_module("kvcache.torch")
+        names |= set(kv_torch.__all__) | set(engine.__all__)
+        names |= {n for n in dir(engine.Engine) if not n.startswith("_")}
+        names |= {f.name for f in dataclasses.fields(engine.EngineStats)}
+        names |= {f.name for f in dataclasses.fields(engine.GenerationResult)}
     missing = sorted(n for n in names if f"`{n}" not in api and f"{n}(" not in api)
     assert not missing, f"docs/api.md does not mention {missing}"
-    for command in ("models", "plan", "simulate"):
+    for command in ("models", "plan", "simulate", "generate"):
         assert main([command, "--help"]) == 0
         options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", capsys.readouterr().out))
         options -= {"--help"}

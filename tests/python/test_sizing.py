@@ -138,21 +138,34 @@ def test_auto_without_length_rejected() -> None:
 
 
 # "auto" from demand (max_batch_size given). Hand computations, n = max_batch_size,
-# B = max_num_batched_tokens, L = expected_seq_len: a window holds
-# min(n * (w + tpb) + B, n * L) tokens; a budget above the demand goes to the windows that
-# hold less than n * L, the same tokens to each.
+# B = max_num_batched_tokens, L = expected_seq_len, t = tokens_per_block, D = drafts: a
+# window holds min(floor((n * (w + D + 2t - 2) + B) / t), n * ceil(L / t)) blocks (the
+# straddled block counted); a budget above the demand goes to the windows that hold less
+# than whole sequences, the same tokens to each.
 
 
 def test_auto_demand_tokens() -> None:
-    # 128 x (512 + 32) + 8192 = 77,824; full: 128 x 2,818 = 360,704
+    # (128 x (512 + 62) + 8192) / 32 = 2,552 blocks = 81,664 tokens; full: 128 x
+    # ceil(2818 / 32) = 128 x 89 = 11,392 blocks = 364,544 tokens
     assert auto_demand_tokens([512, 4496], 2818, tokens_per_block=32, max_batch_size=128) == {
-        512: 77824,
-        4496: 360704,
+        512: 81664,
+        4496: 364544,
     }
-    # 4 x (1000 + 16) + 100 = 4,164 > 4 x 1,024: the window holds whole sequences
+    # 64: floor((4 x 94 + 100) / 16) = 29 blocks = 464 tokens; 1000: floor((4 x 1030 + 100)
+    # / 16) = 263 > 4 x 64 blocks: the window holds whole sequences, like full attention
     assert auto_demand_tokens(
         [64, 1000, 4096], 1024, tokens_per_block=16, max_batch_size=4, max_num_batched_tokens=100
-    ) == {64: 4 * 80 + 100, 1000: 4096, 4096: 4096}
+    ) == {64: 464, 1000: 4096, 4096: 4096}
+    # drafts widen what a sliding window keeps: 2 sequences, window 64 + 3 drafts, t = 16,
+    # B = 16: floor((2 x (67 + 30) + 16) / 16) = 13 blocks
+    assert auto_demand_tokens(
+        [64],
+        4096,
+        tokens_per_block=16,
+        max_batch_size=2,
+        max_num_batched_tokens=16,
+        max_draft_tokens=3,
+    ) == {64: 13 * 16}
 
 
 @pytest.mark.parametrize(
@@ -172,29 +185,30 @@ def test_auto_demand_argument_errors(kwargs: dict[str, int], name: str) -> None:
 
 def test_auto_from_demand_spare_goes_to_the_sliding_window() -> None:
     # The bench_reuse replay: 4096 B per token in each window, 20,000 blocks of 32 tokens.
-    # full: 360,704 tokens = 11,272 blocks; the 512 window: 77,824 tokens of demand plus
-    # all of the 20,000 x 32 - 77,824 - 360,704 = 201,472 spare tokens = 8,728 blocks.
+    # full: 11,392 blocks; the 512 window: 2,552 blocks of demand plus all of the
+    # 20,000 - 2,552 - 11,392 = 6,056 spare blocks = 8,608 blocks.
     bpt = {512: 4096, 4496: 4096}
     budget = 20000 * 32 * 4096
     shares = window_size_shares(
         bpt, "auto", expected_seq_len=2818, max_batch_size=128, primary_bytes=budget
     )
-    assert shares == {512: 8728 / 20000, 4496: 11272 / 20000}
+    assert shares == {512: 8608 / 20000, 4496: 11392 / 20000}
     # without a budget, or with one below the demand: in proportion to the demand
     no_budget = window_size_shares(bpt, "auto", expected_seq_len=2818, max_batch_size=128)
-    assert no_budget == {512: 77824 / 438528, 4496: 360704 / 438528}
+    assert no_budget == {512: 81664 / 446208, 4496: 364544 / 446208}
     short = window_size_shares(
-        bpt, "auto", expected_seq_len=2818, max_batch_size=128, primary_bytes=438528 * 4096 - 1
+        bpt, "auto", expected_seq_len=2818, max_batch_size=128, primary_bytes=446208 * 4096 - 1
     )
     assert short == no_budget
 
 
 def test_auto_from_demand_three_windows() -> None:
-    # n = 10, L = 4096, tpb 16, B = 1000. Demand in tokens: 128 -> 10 x 144 + 1000 = 2,440;
-    # 1024 -> 10 x 1040 + 1000 = 11,400; 8192 -> 10 x 4096 = 40,960. In bytes (x 100, 300,
-    # 200): 244,000 + 3,420,000 + 8,192,000 = 11,856,000. Budget 20,000,000: spare
-    # 8,144,000 B over the two sliding windows' 400 B per token = 20,360 tokens each:
-    # 128 -> 244,000 + 2,036,000; 1024 -> 3,420,000 + 6,108,000; 8192 -> 8,192,000.
+    # n = 10, L = 4096, tpb 16, B = 1000. Demand in blocks: 128 -> floor((10 x 158 + 1000)
+    # / 16) = 161 (2,576 tokens); 1024 -> floor((10 x 1054 + 1000) / 16) = 721 (11,536
+    # tokens); 8192 -> 10 x 256 = 2,560 (40,960 tokens). In bytes (x 100, 300, 200):
+    # 257,600 + 3,460,800 + 8,192,000 = 11,910,400. Budget 20,000,000: spare 8,089,600 B
+    # over the two sliding windows' 400 B per token = 20,224 tokens each: 128 -> 257,600 +
+    # 2,022,400; 1024 -> 3,460,800 + 6,067,200; 8192 -> 8,192,000.
     bpt = {128: 100, 1024: 300, 8192: 200}
     kwargs = {"max_seq_len": 8192, "expected_seq_len": 4096, "tokens_per_block": 16}
     shares = window_size_shares(
@@ -206,22 +220,23 @@ def test_auto_from_demand_three_windows() -> None:
         **kwargs,
     )
     assert shares == {128: 0.114, 1024: 0.4764, 8192: 0.4096}
-    # half the demand: every window scaled alike (same concurrency), 244 : 3,420 : 8,192
+    # half the demand: every window scaled alike (same concurrency), 2,576 : 34,608 : 81,920
     half = window_size_shares(
         bpt,
         "auto",
         max_batch_size=10,
         max_num_batched_tokens=1000,
-        primary_bytes=5_928_000,
+        primary_bytes=5_955_200,
         **kwargs,
     )
-    assert half == {128: 244 / 11856, 1024: 3420 / 11856, 8192: 8192 / 11856}
+    assert half == {128: 2576 / 119104, 1024: 34608 / 119104, 8192: 81920 / 119104}
 
 
 def test_auto_from_demand_only_sliding_windows() -> None:
     # Windows 512 and 1024 (both below L = 4096), 2 sequences, B = 64, tpb 32, 1 B per token:
-    # demand 2 x 544 + 64 = 1,152 and 2 x 1056 + 64 = 2,176; a budget of 10,000 leaves
-    # 6,672 tokens, 3,336 to each: 4,488 and 5,512.
+    # demand floor((2 x 574 + 64) / 32) = 37 blocks (1,184 tokens) and floor((2 x 1086 + 64)
+    # / 32) = 69 blocks (2,208 tokens); a budget of 10,000 leaves 6,608 tokens, 3,304 to
+    # each: 4,488 and 5,512.
     shares = window_size_shares(
         {512: 1, 1024: 1},
         "auto",
@@ -234,7 +249,7 @@ def test_auto_from_demand_only_sliding_windows() -> None:
 
 
 def test_auto_from_demand_no_sliding_window_keeps_the_demand_ratio() -> None:
-    # 4 x (1000 + 16) + 100 > 4 x 1024: both windows hold whole sequences, so nothing is
+    # floor((4 x 1030 + 100) / 16) > 4 x 64 blocks: both windows hold whole sequences, so nothing is
     # sliding and a generous budget keeps the 1 : 1 demand ratio (in bytes 1 : 3).
     shares = window_size_shares(
         {1000: 1, 4096: 3},
@@ -256,11 +271,12 @@ def test_blocks_per_window_auto_from_demand_replay() -> None:
     out = blocks_per_window(
         model, c, 4496, budget, budget // 2, expected_seq_len=2818, max_batch_size=128
     )
-    assert out == {512: (8728, 4364), 4496: (11272, 5636)}
-    # without max_batch_size: the per-sequence balance, 544 : 2,818
+    assert out == {512: (8608, 4304), 4496: (11392, 5696)}
+    # without max_batch_size: the per-sequence balance, 17 blocks (ceil(511 / 32) + 1) :
+    # 89 blocks (ceil(2818 / 32))
     assert blocks_per_window(model, c, 4496, budget, expected_seq_len=2818) == {
-        512: (20000 * 544 // 3362, 0),
-        4496: (20000 * 2818 // 3362, 0),
+        512: (20000 * 17 // 106, 0),
+        4496: (20000 * 89 // 106, 0),
     }
 
 
@@ -268,7 +284,8 @@ def test_blocks_per_window_auto_from_demand_gemma3_27b() -> None:
     # 80 GiB, 64 sequences of 8,192 tokens, 32k context. Full attention: 64 x 8192 tokens x
     # 81,920 B = 40 GiB = 16,384 blocks. Sliding: demand 64 x 1056 + 8192 = 75,776 tokens
     # x 425,984 B = 32,279,363,584 B, plus the spare 80 GiB - 40 GiB - that; so 40 GiB in
-    # all: floor(42,949,672,960 / (425,984 x 32)) = 3,150 blocks.
+    # all: floor(42,949,672,960 / (425,984 x 32)) = 3,150 blocks. (The sliding demand is
+    # floor((64 x (1024 + 62) + 8192) / 32) = 2,428 blocks, below that.)
     c = KvCacheConfig(
         max_attention_window=GEMMA3_PATTERN, window_size_shares="auto", expected_seq_len=8192
     )
@@ -278,7 +295,8 @@ def test_blocks_per_window_auto_from_demand_gemma3_27b() -> None:
 
 def test_blocks_per_window_auto_reads_max_num_batched_tokens() -> None:
     # Budget below the demand, so B moves the split: 1 B per token per layer, tpb 1,
-    # windows 8 and 64, n = 2, L = 64: demand 2 x 9 + B and 128 tokens; budget 100 bytes.
+    # windows 8 and 64, n = 2, L = 64: demand 2 x 8 + B (1-token blocks straddle nothing)
+    # and 128 tokens; budget 100 bytes.
     model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=1, dtype="int8", kv_factor=1)
 
     def split(batched: int) -> dict[int, tuple[int, int]]:
@@ -290,8 +308,9 @@ def test_blocks_per_window_auto_reads_max_num_batched_tokens() -> None:
         )
         return blocks_per_window(model, c, 64, 100, max_batch_size=2)
 
-    assert split(2) == {8: (100 * 20 // 148, 0), 64: (100 * 128 // 148, 0)}
-    assert split(110) == {8: (100 * 128 // 256, 0), 64: (100 * 128 // 256, 0)}
+    assert split(2) == {8: (100 * 18 // 146, 0), 64: (100 * 128 // 146, 0)}
+    assert split(110) == {8: (100 * 126 // 254, 0), 64: (100 * 128 // 254, 0)}
+    assert split(120) == {8: (100 * 128 // 256, 0), 64: (100 * 128 // 256, 0)}
 
 
 def test_explicit_list_normalised() -> None:
@@ -513,7 +532,8 @@ def test_blocks_per_window_rejects_bad_budget(bad: object) -> None:
         (512, 1024, 64, 8),
         (513, 1024, 64, 9),
         (512, 256, 64, 5),
-        (512, 257, 64, 6),
+        (512, 257, 64, 5),  # 257 = 4 x 64 + 1: spans at most 5 blocks
+        (512, 258, 64, 6),
         (1, 4096, 32, 1),
         (32768, 32768, 32, 1024),
         (32768, 1024, 32, 33),

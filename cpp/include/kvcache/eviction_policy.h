@@ -18,7 +18,10 @@ namespace kvcache {
 /// *probation* queue for cached blocks that never served a reuse hit and a *protected* queue
 /// for those that did (segmented LRU: a stream of blocks written once cannot flush a prefix
 /// that requests keep reusing). Lower priorities go first; inside one priority probation before
-/// protected. At most `protected_cap` blocks of a level sit in protected queues: pushing one more
+/// protected. At most `protected_cap` blocks of a level sit in protected queues (10 % of the
+/// level by default: enough for the prefixes many requests share, small enough that a prefix
+/// written in the last few steps, such as a conversation's previous turn, is not squeezed out
+/// of a small pool by blocks that were hit long ago): pushing one more
 /// demotes the oldest protected block of the same priority to the back of its probation queue.
 /// Inside a queue the order is release order (oldest first) unless pushed to the front.
 /// All operations are O(1) (the victim search scans a 256-bit occupancy mask).
@@ -27,8 +30,12 @@ class EvictionPolicy {
  public:
   static constexpr int kScratch = -1;  ///< Priority of blocks without reusable content.
 
-  /// `protected_cap` per level: by default half of the level's blocks.
-  EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary);
+  /// Default share of a level's blocks that protected queues may hold.
+  static constexpr double kDefaultProtectedFraction = 0.1;
+
+  /// `protected_cap` per level: ceil(`protected_fraction` x the level's blocks).
+  EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary,
+                 double protected_fraction = kDefaultProtectedFraction);
 
   /// Queues free block `b` at `priority` (kScratch or 0..100), in the protected queue of that
   /// priority if `protect`; at the back unless `to_front`. Returns the block demoted from

@@ -29,9 +29,15 @@ struct ModelSpec {
   std::int32_t num_layers = 0;
   /// KV heads per layer (num_layers entries), or a single entry used for every layer.
   std::vector<std::int32_t> num_kv_heads;
+  /// Head size of every layer, unless `head_dims` gives one per layer.
   std::int32_t head_dim = 0;
+  /// KV element type of every layer, unless `dtypes` gives one per layer.
   DType dtype = DType::kFloat16;
   std::int32_t kv_factor = 2;  ///< 2 = K and V; 1 = K only (MLA).
+  /// Head size per layer (num_layers entries); empty: `head_dim` for every layer.
+  std::vector<std::int32_t> head_dims;
+  /// KV element type per layer (num_layers entries); empty: `dtype` for every layer.
+  std::vector<DType> dtypes;
 };
 
 /// Block counts of one window.
@@ -74,6 +80,8 @@ struct ManagerConfig {
   /// Segmented LRU: a cached block that served a reuse hit is evicted only after the blocks of
   /// its priority that never did (false: plain LRU per priority).
   bool protect_hit_blocks = true;
+  /// Most blocks of a window (share per cache level, in [0, 1]) that wait as protected.
+  double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
   /// Disk-tier slots per window (below the secondary pool; missing windows: none).
   std::map<WindowSize, std::int32_t> disk_blocks_per_window;
   std::string disk_cache_dir;  ///< Directory of the disk tier; empty: a private temporary one.
@@ -107,13 +115,16 @@ struct RequestStats {
   std::int64_t new_blocks = 0;
 };
 
-/// One pool as seen by an engine: which layers it holds and where its memory is.
+/// One pool as seen by an engine: which layers it holds, their shape and where its memory is.
+/// A pool holds the layers of one window that share (KV-head count, head size, dtype).
 struct PoolInfo {
   WindowSize window = 0;
   std::int32_t num_kv_heads = 0;
   std::vector<std::int32_t> layers;
   std::int32_t kv_factor = 2;
-  std::size_t block_bytes = 0;
+  std::int32_t head_dim = 0;
+  DType dtype = DType::kFloat16;
+  std::size_t block_bytes = 0;  ///< One block of this pool: every layer, K and V.
   std::int32_t num_primary = 0;
   std::int32_t num_secondary = 0;
   std::uintptr_t primary_ptr = 0;
@@ -162,7 +173,8 @@ class KVCacheManager {
   std::int32_t kv_factor() const { return kv_factor_; }
   BackendKind backend() const { return backend_->Kind(); }
   std::map<WindowSize, WindowBlocks> blocks_per_window() const;
-  /// Pools in global order (ascending window, then ascending KV-head count).
+  /// Pools in global order: ascending window, then ascending (KV-head count, head size, dtype)
+  /// with dtypes in DType order.
   std::vector<PoolInfo> pools() const;
   /// (global pool index, index of the layer inside its pool) for every layer.
   const std::vector<std::pair<std::int32_t, std::int32_t>>& layer_to_pool() const {
@@ -358,7 +370,6 @@ class KVCacheManager {
   std::int32_t max_draft_tokens_;
   std::int32_t max_blocks_per_seq_;
   std::int32_t kv_factor_;
-  DType dtype_;
   std::vector<WindowSize> window_sizes_;
   std::unique_ptr<MemoryBackend> backend_;
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;

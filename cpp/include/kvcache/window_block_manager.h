@@ -18,9 +18,9 @@
 
 namespace kvcache {
 
-/// Shape of one pool: the layers of one window that share a KV-head count. Its memory is
-/// `[blocks, layers.size(), kv_factor, num_kv_heads, tokens_per_block, head_dim]`, so one block
-/// holds every layer of the pool.
+/// Shape of one pool: the layers of one window that share (KV-head count, head size, dtype).
+/// Its memory is `[blocks, layers.size(), kv_factor, num_kv_heads, tokens_per_block, head_dim]`
+/// of `dtype`, so one block holds every layer of the pool.
 struct PoolLayout {
   std::int32_t num_kv_heads = 0;
   std::vector<std::int32_t> layers;  ///< Global layer indices, ascending.
@@ -28,6 +28,7 @@ struct PoolLayout {
   std::int32_t tokens_per_block = 0;
   std::int32_t head_dim = 0;
   std::int32_t elem_bytes = 0;
+  DType dtype = DType::kFloat16;
 
   /// Bytes of one K (or V) slab of one layer of one block: `[heads, tokens, head_dim]`.
   std::size_t SlabBytes() const {
@@ -47,6 +48,8 @@ struct WindowReuseOptions {
   /// Cached blocks that served a reuse hit are evicted after those that never did (same
   /// priority); false: one LRU order per priority.
   bool protect_hit_blocks = true;
+  /// Share of the window's blocks (per level) that may wait in protected queues.
+  double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
 /// Owns the pools of one window and the state of each block: reference count, owner and

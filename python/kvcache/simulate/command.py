@@ -207,6 +207,7 @@ def run_cli(args: argparse.Namespace) -> int:
         "max_batch_size": args.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
         "enable_block_reuse": not args.no_reuse,
         "swa_reuse_policy": args.swa_reuse_policy,
+        "protect_reused_blocks": not args.plain_lru,
         "draft_tokens": args.draft_tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         "chunked_prefill": not args.no_chunked_prefill,

@@ -101,6 +101,8 @@ def _setup(
     swa_reuse_policy: str,
     host_cache_bytes: int,
     expected_seq_len: int | None,
+    protect_reused_blocks: bool = True,
+    draft_tokens: int = 0,
     disk_cache_bytes: int = 0,
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
@@ -115,6 +117,7 @@ def _setup(
         backend="virtual",
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_size=host_cache_bytes,
         disk_cache_size=disk_cache_bytes,
     )
@@ -128,12 +131,24 @@ def _setup(
         )
         share_text = f"auto(L={expected})"
     blocks = blocks_per_window(
-        preset.model, config, seq_len, memory, host_cache_bytes, expected_seq_len=expected
+        preset.model,
+        config,
+        seq_len,
+        memory,
+        host_cache_bytes,
+        expected_seq_len=expected,
+        max_draft_tokens=draft_tokens,
     )
     disk = {w: 0 for w in blocks}
     if disk_cache_bytes:  # split over the windows like the host cache
         sized = blocks_per_window(
-            preset.model, config, seq_len, memory, disk_cache_bytes, expected_seq_len=expected
+            preset.model,
+            config,
+            seq_len,
+            memory,
+            disk_cache_bytes,
+            expected_seq_len=expected,
+            max_draft_tokens=draft_tokens,
         )
         disk = {w: c[1] for w, c in sized.items()}
     total_blocks = sum(p + s + disk[w] for w, (p, s) in blocks.items())
@@ -201,6 +216,7 @@ def simulate(
     max_chunk_size: int | None = None,
     enable_block_reuse: bool = True,
     swa_reuse_policy: str = "placeholder",
+    protect_reused_blocks: bool = True,
     host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
     draft_tokens: int = 0,
@@ -233,6 +249,8 @@ def simulate(
         swa_reuse_policy: ``"invalidate"`` or ``"placeholder"`` (the config's
             ``swa_reuse_policy``): what reuse does with sliding-window blocks that another
             request reclaimed.
+        protect_reused_blocks: Segmented LRU (the config's ``protect_reused_blocks``);
+            ``False`` evicts in plain LRU order per priority.
         host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
             config's ``host_cache_size``; 0: none).
         disk_cache_bytes: Disk tier below the host cache (the config's
@@ -262,8 +280,10 @@ def simulate(
         tokens_per_block=tokens_per_block,
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
+        draft_tokens=draft_tokens,
         disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
     )
     preset, config, seq_len, blocks = setup.preset, setup.config, setup.seq_len, setup.blocks
@@ -444,6 +464,7 @@ def simulate(
             int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
         },
         swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
         host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
         disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},

@@ -82,6 +82,7 @@ class SimulationReport:
     missed_blocks: int = 0
     cache_hit_rate_per_window: dict[int, float] = field(default_factory=dict)
     swa_reuse_policy: str = "placeholder"
+    protect_reused_blocks: bool = True
     host_cache_bytes: int = 0
     disk_cache_bytes: int = 0
     #: The hit rate of the same run without the disk tier (``kvcache simulate --disk-cache``).
@@ -146,7 +147,9 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
         f"  {_prefill_text(r)}",
         "  block reuse "
         + (
-            f"on (sliding windows: {r.swa_reuse_policy}), host cache "
+            f"on (sliding windows: {r.swa_reuse_policy}"
+            + ("" if r.protect_reused_blocks else ", plain LRU")
+            + "), host cache "
             + (format_size(r.host_cache_bytes) if r.host_cache_bytes else "none")
             + (f", disk cache {format_size(r.disk_cache_bytes)}" if r.disk_cache_bytes else "")
             if r.reuse_enabled
