@@ -270,7 +270,21 @@ void WindowBlockManager::Drop(BlockId b) {
   const NodeId n = state_[b].node;
   KVC_CHECK(n != kNoNode, "drop of an uncached block");
   std::vector<NodeId> nodes = {n};
-  if (options_.cascade_on_evict) tree_->ForEachDescendant(n, [&](NodeId m) { nodes.push_back(m); });
+  if (options_.cascade_on_evict && !is_swa_) {
+    // Full attention stores whole chains and drops whole subtrees, so its blocks are
+    // prefix-closed (CheckInvariants verifies it): below a node without a block of this window
+    // there is none, and the walk skips such subtrees (which sliding windows' blocks may keep
+    // large). Breadth first: parents before children.
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      tree_->ForEachChild(nodes[i], [&](NodeId c) {
+        if (tree_->Block(c, index_) != kNullBlock) nodes.push_back(c);
+      });
+    }
+  } else if (options_.cascade_on_evict) {
+    // A sliding window under "invalidate" stores only the positions a sequence still holds:
+    // its blocks may sit below nodes without one.
+    tree_->ForEachDescendant(n, [&](NodeId m) { nodes.push_back(m); });
+  }
   for (const NodeId m : nodes) {
     const BlockId x = tree_->Block(m, index_);
     if (x == kNullBlock) continue;
@@ -349,6 +363,13 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
   }
   tree_->ForEachDescendant(ReuseTree::kRoot, [&](NodeId n) {
     const BlockId b = tree_->Block(n, index_);
+    if (!is_swa_ && b != kNullBlock) {
+      const NodeId parent = tree_->Parent(n);
+      KVC_CHECK(parent == ReuseTree::kRoot || tree_->Block(parent, index_) != kNullBlock,
+                detail::Concat("window ", window_, ": tree node ", n, " holds block ", b,
+                               " below a node without a block of this window (full attention's blocks must be "
+                               "prefix-closed)"));
+    }
     KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && state_[b].node == n),
               detail::Concat("window ", window_, ": tree node ", n, " holds block ", b, " which does not point back"));
   });
