@@ -351,29 +351,25 @@ class KVCacheManager(_core.KVCacheManager):
             or primary_bytes <= 0
         ):
             raise ValueError(f"primary_bytes must be a positive int, got {primary_bytes!r}")
-        blocks = _blocks_per_window(
-            model,
-            config,
-            max_seq_len,
-            primary_bytes,
-            config.host_cache_size,
-            max_batch_size=max_batch_size if max_batch_size > 0 else None,
-            max_draft_tokens=_draft_for_sizing(max_draft_tokens),
-            process_group=process_group,
-        )
-        sized: dict[int, tuple[int, int] | tuple[int, int, int]] = dict(blocks)
-        if config.disk_cache_size > 0:
-            # The disk budget splits over the windows like the host budget.
-            disk = _blocks_per_window(
+
+        def split(secondary_bytes: int) -> dict[int, tuple[int, int]]:
+            """Primary blocks and ``secondary_bytes`` worth of offload blocks per window."""
+            return _blocks_per_window(
                 model,
                 config,
                 max_seq_len,
                 primary_bytes,
-                config.disk_cache_size,
+                secondary_bytes,
                 max_batch_size=max_batch_size if max_batch_size > 0 else None,
                 max_draft_tokens=_draft_for_sizing(max_draft_tokens),
                 process_group=process_group,
             )
+
+        blocks = split(config.host_cache_size)
+        sized: dict[int, tuple[int, int] | tuple[int, int, int]] = dict(blocks)
+        if config.disk_cache_size > 0:
+            # The disk budget splits over the windows like the host budget.
+            disk = split(config.disk_cache_size)
             sized = {w: (p, s, disk[w][1]) for w, (p, s) in blocks.items()}
         self._init(model, config, sized, max_seq_len, max_batch_size, max_draft_tokens)
 
