@@ -72,7 +72,9 @@ bool WindowBlockManager::QueueProtected(BlockId b) const {
 }
 
 void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
-  const BlockId demoted = policy_.Push(b, QueuePriority(b), to_front, QueueProtected(b));
+  const int priority = QueuePriority(b);
+  const BlockId demoted =
+      policy_.Push(b, priority, to_front && priority == EvictionPolicy::kScratch, QueueProtected(b));
   if (demoted != kNullBlock) state_[demoted].hit = false;
 }
 
@@ -190,7 +192,7 @@ void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
   if (--state_[b].ref_count == 0 && IsDisk(b)) {
     DiskQueue(b);
   } else if (state_[b].ref_count == 0) {
-    Enqueue(b, to_front && QueuePriority(b) == EvictionPolicy::kScratch);
+    Enqueue(b, to_front);
   }
 }
 

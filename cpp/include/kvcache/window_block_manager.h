@@ -119,7 +119,6 @@ class WindowBlockManager {
   /// Records that cached block `b` served a reuse hit: once free it waits in a protected queue
   /// (see EvictionPolicy). Ends with the block's cached identity or a demotion.
   void MarkHit(BlockId b);
-  bool WasHit(BlockId b) const { return state_[b].hit; }
   /// Drops one reference; at zero the block is queued (cached: at its priority; else scratch,
   /// at the front if `to_front`). `released_by` >= 0 names a running sequence that releases `b`
   /// out of window and keeps a record of its content (until the next Grant or ForgetRelease).
@@ -154,7 +153,8 @@ class WindowBlockManager {
   unsigned char* Address(BlockId b, std::size_t pool) const;
   int QueuePriority(BlockId b) const;
   bool QueueProtected(BlockId b) const;
-  /// Puts free block `b` in the queue its state says; clears the hit mark of a demoted block.
+  /// Puts free block `b` in the queue its state says (at the front only if `to_front` and it
+  /// holds nothing reusable); clears the hit mark of a demoted block.
   void Enqueue(BlockId b, bool to_front = false);
   void EvictCached(BlockId victim);
   void Requeue(BlockId b);
