@@ -6,14 +6,67 @@
 
 namespace kvcache {
 
-EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary, double protected_fraction)
+EvictionPolicy::EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary, double protected_fraction,
+                               std::int32_t slab_blocks)
     : num_primary_(num_primary),
-      links_(static_cast<std::size_t>(num_primary + num_secondary)) {
+      links_(static_cast<std::size_t>(num_primary + num_secondary)),
+      protected_fraction_(protected_fraction),
+      slab_blocks_(slab_blocks) {
   KVC_CHECK(protected_fraction >= 0.0 && protected_fraction <= 1.0, "protected fraction out of [0, 1]");
+  KVC_CHECK(slab_blocks >= 0 && (slab_blocks == 0 || num_primary % slab_blocks == 0),
+            "primary blocks must be whole slabs");
   head_.fill(kNullBlock);
   tail_.fill(kNullBlock);
-  auto cap = [&](std::int32_t n) { return static_cast<std::int32_t>(std::ceil(n * protected_fraction)); };
-  protected_cap_ = {cap(num_primary), cap(num_secondary)};
+  SetLevelSize(CacheLevel::kPrimary, num_primary);
+  SetLevelSize(CacheLevel::kSecondary, num_secondary);
+  if (slab_blocks > 0) {
+    const auto slabs = static_cast<std::size_t>(num_primary / slab_blocks);
+    slab_free_.assign(slabs, 0);
+    slab_prev_.assign(slabs, -1);
+    slab_next_.assign(slabs, -1);
+    slab_listed_.assign(slabs, 0);
+  }
+}
+
+void EvictionPolicy::SetLevelSize(CacheLevel level, std::int32_t num_blocks) {
+  protected_cap_[static_cast<std::size_t>(level)] =
+      static_cast<std::int32_t>(std::ceil(num_blocks * protected_fraction_));
+}
+
+void EvictionPolicy::SlabGained(BlockId b) {
+  const std::int32_t s = b / slab_blocks_;
+  const auto i = static_cast<std::size_t>(s);
+  if (++slab_free_[i] < slab_blocks_) return;
+  slab_listed_[i] = 1;  // every block free: append (newest last)
+  slab_prev_[i] = slab_tail_;
+  slab_next_[i] = -1;
+  if (slab_tail_ >= 0) {
+    slab_next_[static_cast<std::size_t>(slab_tail_)] = s;
+  } else {
+    slab_head_ = s;
+  }
+  slab_tail_ = s;
+  ++num_free_slabs_;
+}
+
+void EvictionPolicy::SlabLost(BlockId b) {
+  const std::int32_t s = b / slab_blocks_;
+  const auto i = static_cast<std::size_t>(s);
+  if (slab_free_[i]-- < slab_blocks_) return;
+  slab_listed_[i] = 0;
+  const std::int32_t prev = slab_prev_[i];
+  const std::int32_t next = slab_next_[i];
+  if (prev >= 0) {
+    slab_next_[static_cast<std::size_t>(prev)] = next;
+  } else {
+    slab_head_ = next;
+  }
+  if (next >= 0) {
+    slab_prev_[static_cast<std::size_t>(next)] = prev;
+  } else {
+    slab_tail_ = prev;
+  }
+  --num_free_slabs_;
 }
 
 void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
@@ -37,6 +90,7 @@ void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
   occupied_[lv][slot >> 6] |= std::uint64_t{1} << (slot & 63);
   ++num_free_[lv];
   if (IsProtectedSlot(slot)) ++num_protected_[lv];
+  if (slab_blocks_ > 0 && lv == 0) SlabGained(b);
 }
 
 void EvictionPolicy::Erase(BlockId b) {
@@ -58,6 +112,7 @@ void EvictionPolicy::Erase(BlockId b) {
   if (head_[q] == kNullBlock) occupied_[lv][slot >> 6] &= ~(std::uint64_t{1} << (slot & 63));
   --num_free_[lv];
   if (IsProtectedSlot(slot)) --num_protected_[lv];
+  if (slab_blocks_ > 0 && lv == 0) SlabLost(b);
 }
 
 BlockId EvictionPolicy::Push(BlockId b, int priority, bool to_front, bool protect) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <set>
 #include <string>
 #include <tuple>
@@ -51,6 +52,101 @@ PoolKey LayerPoolKey(const ModelSpec& model, std::int32_t l) {
   const std::int32_t head_dim = model.head_dims.empty() ? model.head_dim : model.head_dims[i];
   const DType dtype = model.dtypes.empty() ? model.dtype : model.dtypes[i];
   return {heads, head_dim, dtype};
+}
+
+std::size_t RoundUp(std::size_t x, std::size_t unit) { return (x + unit - 1) / unit * unit; }
+
+/// Least common multiple, or 0 past `limit`.
+std::size_t LcmUpTo(std::size_t a, std::size_t b, std::size_t limit) {
+  const std::size_t g = std::gcd(a, b);
+  const std::size_t q = a / g;
+  if (q > limit / b) return 0;
+  return q * b;
+}
+
+/// Most blocks of one window in a slab: beyond it, lending moves too much memory at once.
+constexpr std::size_t kMaxBlocksPerSlab = 1024;
+
+/// Geometry of the arena shared by every window under lend_free_memory: each window's block
+/// interleaves its pools (each pool's part aligned to that pool's K/V slab, the block stride a
+/// multiple of every such slab, so block offsets stay whole slabs); a slab of the arena is the
+/// least common multiple of the windows' strides; the arena is as many slabs as the windows'
+/// blocks fill, apportioned to the windows by their bytes (at least one slab each).
+std::vector<SharedPrimary> PlanSharedPrimary(const std::vector<std::vector<PoolLayout>>& window_pools,
+                                             const std::vector<WindowSize>& windows,
+                                             const std::map<WindowSize, WindowBlocks>& blocks,
+                                             const std::map<WindowSize, std::int32_t>& disk_blocks,
+                                             std::size_t* arena_bytes) {
+  const std::size_t n = windows.size();
+  std::vector<SharedPrimary> out(n);
+  std::size_t slab = 1;
+  std::size_t budget = 0;
+  for (std::size_t w = 0; w < n; ++w) {
+    std::size_t offset = 0;
+    std::size_t unit = 1;
+    for (const PoolLayout& pool : window_pools[w]) {
+      const std::size_t kv_slab = pool.SlabBytes();
+      offset = RoundUp(offset, kv_slab);
+      out[w].pool_offsets.push_back(offset);
+      offset += pool.BlockBytes();
+      unit = LcmUpTo(unit, kv_slab, std::numeric_limits<std::size_t>::max() / 2);
+      if (unit == 0) ThrowInvalid("lend_free_memory: the pools of window ", windows[w], " have no common block size");
+    }
+    out[w].block_stride = RoundUp(offset, unit);
+    slab = LcmUpTo(slab, out[w].block_stride, out[w].block_stride * kMaxBlocksPerSlab);
+    if (slab == 0) {
+      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
+                   " blocks of any window, so they cannot lend each other memory");
+    }
+    budget += out[w].block_stride * static_cast<std::size_t>(blocks.at(windows[w]).primary);
+  }
+  for (std::size_t w = 0; w < n; ++w) {
+    if (slab / out[w].block_stride > kMaxBlocksPerSlab) {
+      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
+                   " blocks of any window, so they cannot lend each other memory");
+    }
+  }
+  const std::size_t num_slabs = budget / slab;
+  if (num_slabs < n) {
+    ThrowInvalid("lend_free_memory: the primary blocks make ", num_slabs, " slab(s) of ", slab,
+                 " bytes, fewer than one per window (", n, ")");
+  }
+  // Largest remainder, then at least one slab per window (taken from the largest).
+  std::vector<std::int64_t> owned(n);
+  std::vector<std::pair<double, std::size_t>> rest;
+  std::int64_t given = 0;
+  for (std::size_t w = 0; w < n; ++w) {
+    const double exact = static_cast<double>(out[w].block_stride) * blocks.at(windows[w]).primary / static_cast<double>(slab);
+    owned[w] = static_cast<std::int64_t>(exact);
+    given += owned[w];
+    rest.emplace_back(-(exact - static_cast<double>(owned[w])), w);
+  }
+  std::sort(rest.begin(), rest.end());
+  for (std::size_t i = 0; given < static_cast<std::int64_t>(num_slabs); ++i, ++given) ++owned[rest[i % n].second];
+  for (std::size_t w = 0; w < n; ++w) {
+    while (owned[w] < 1) {
+      const auto big = static_cast<std::size_t>(std::max_element(owned.begin(), owned.end()) - owned.begin());
+      --owned[big];
+      ++owned[w];
+    }
+  }
+  std::int64_t first = 0;
+  for (std::size_t w = 0; w < n; ++w) {
+    SharedPrimary& sp = out[w];
+    sp.blocks_per_slab = static_cast<std::int32_t>(slab / sp.block_stride);
+    sp.num_slabs = static_cast<std::int32_t>(num_slabs);
+    sp.first_slab = static_cast<std::int32_t>(first);
+    sp.owned_slabs = static_cast<std::int32_t>(owned[w]);
+    first += owned[w];
+    const auto disk = disk_blocks.find(windows[w]);
+    const std::int64_t ids = static_cast<std::int64_t>(num_slabs) * sp.blocks_per_slab +
+                             blocks.at(windows[w]).secondary + (disk == disk_blocks.end() ? 0 : disk->second);
+    if (ids > std::numeric_limits<std::int32_t>::max()) {
+      ThrowInvalid("lend_free_memory: window ", windows[w], " would span ", ids, " block ids, more than 2**31 - 1");
+    }
+  }
+  *arena_bytes = num_slabs * slab;
+  return out;
 }
 
 }  // namespace
@@ -121,7 +217,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   backend_ = MakeBackend(config.backend);
   layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
   std::int32_t global_pool = 0;
-  std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
+  std::vector<std::vector<PoolLayout>> window_pools(window_sizes_.size());
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
     std::map<PoolKey, PoolLayout> by_shape;  // ascending (heads, head size, dtype)
@@ -137,16 +233,30 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       pool.dtype = std::get<2>(key);
       pool.elem_bytes = DTypeBytes(pool.dtype);
     }
-    std::vector<PoolLayout> pools;
     for (auto& kv : by_shape) {
-      const auto pool_in_window = pools.size();
+      const auto pool_in_window = window_pools[w].size();
       for (std::size_t i = 0; i < kv.second.layers.size(); ++i) {
         layer_to_pool_[kv.second.layers[i]] = {global_pool, static_cast<std::int32_t>(i)};
       }
       pool_index_.emplace_back(w, pool_in_window);
       ++global_pool;
-      pools.push_back(std::move(kv.second));
+      window_pools[w].push_back(std::move(kv.second));
     }
+  }
+  lending_ = config.lend_free_memory && window_sizes_.size() > 1;
+  std::vector<SharedPrimary> shared;
+  if (lending_) {
+    shared = PlanSharedPrimary(window_pools, window_sizes_, config.blocks_per_window, config.disk_blocks_per_window,
+                               &arena_.bytes);
+    arena_.ptr = backend_->Allocate(CacheLevel::kPrimary, arena_.bytes);
+    arena_.backend = backend_.get();
+    for (SharedPrimary& sp : shared) sp.base = static_cast<unsigned char*>(arena_.ptr);
+  }
+  lend_budget_.assign(window_sizes_.size(), 0);
+  batch_available_.assign(window_sizes_.size(), 0);
+  std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
+  for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
+    const WindowSize window = window_sizes_[w];
     const WindowBlocks counts = config.blocks_per_window.at(window);
     const bool swa = window < max_seq_len_;
     WindowReuseOptions options;
@@ -155,9 +265,12 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
     options.protected_fraction = config.protected_fraction;
-    windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w), std::move(pools),
-                                                            counts.primary, counts.secondary, backend_.get(),
-                                                            tree_.get(), options, events_.get()));
+    const SharedPrimary* arena = lending_ ? &shared[w] : nullptr;
+    const std::int32_t num_primary = lending_ ? arena->num_slabs * arena->blocks_per_slab : counts.primary;
+    windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w),
+                                                            std::move(window_pools[w]), num_primary, counts.secondary,
+                                                            backend_.get(), tree_.get(), options, events_.get(),
+                                                            arena));
     const auto disk = config.disk_blocks_per_window.find(window);
     if (disk != config.disk_blocks_per_window.end() && disk->second > 0) {
       if (disk_tier == nullptr && backend_->HasMemory()) disk_tier = MakeDiskTier(config.disk_cache_dir);
@@ -168,7 +281,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       KVCacheEvent e;
       e.kind = EventKind::kCreated;
       e.window_size = window;
-      e.num_primary_blocks = counts.primary;
+      e.num_primary_blocks = windows_.back()->NumOwnedPrimary();
       e.num_secondary_blocks = counts.secondary;
       events_->Push(std::move(e));
     }
@@ -180,7 +293,7 @@ KVCacheManager::~KVCacheManager() = default;
 
 std::map<WindowSize, WindowBlocks> KVCacheManager::blocks_per_window() const {
   std::map<WindowSize, WindowBlocks> out;
-  for (const auto& w : windows_) out[w->window()] = WindowBlocks{w->num_primary(), w->num_secondary()};
+  for (const auto& w : windows_) out[w->window()] = WindowBlocks{w->NumOwnedPrimary(), w->num_secondary()};
   return out;
 }
 
@@ -197,6 +310,7 @@ std::vector<PoolInfo> KVCacheManager::pools() const {
     info.head_dim = layout.head_dim;
     info.dtype = layout.dtype;
     info.block_bytes = layout.BlockBytes();
+    info.block_stride = wm.primary_stride(p);
     info.num_primary = wm.num_primary();
     info.num_secondary = wm.num_secondary();
     info.primary_ptr = reinterpret_cast<std::uintptr_t>(wm.primary_base(p));
@@ -277,6 +391,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
   switch (how) {
     case Handout::kFresh:
       KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
+      if (lending_ && wm.NumFreePrimary() == 0) Borrow(w);
       slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
       break;
     case Handout::kShare:
@@ -292,11 +407,62 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
+      if (lending_ && wm.NumFreePrimary() == 0) Borrow(w);
       slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
       break;
   }
   InvalidateDisplaced(seq);
   return slot;
+}
+
+std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v) const {
+  // Every block the window takes itself (claim, takeover or fresh) can break one wholly free
+  // slab; what it keeps must cover its own need.
+  const WindowBlockManager& wm = *windows_[v];
+  const std::int64_t slabs = static_cast<std::int64_t>(wm.NumFreeSlabs()) - need_v;
+  const std::int64_t spare = (available_v - need_v) / wm.blocks_per_slab();
+  return std::max<std::int64_t>(0, std::min(slabs, spare));
+}
+
+std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
+                                        const std::vector<std::int64_t>& available) {
+  std::int64_t first_short = -1;
+  std::int64_t short_slabs = 0;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (available[w] >= need[w]) continue;
+    if (first_short < 0) first_short = static_cast<std::int64_t>(w);
+    if (lending_) short_slabs += CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab());
+  }
+  if (first_short < 0 || !lending_) return first_short;
+  std::int64_t lendable = 0;
+  for (std::size_t v = 0; v < windows_.size(); ++v) {
+    lend_budget_[v] = available[v] >= need[v] ? Lendable(v, need[v], available[v]) : 0;
+    lendable += lend_budget_[v];
+  }
+  if (lendable >= short_slabs) return -1;
+  std::fill(lend_budget_.begin(), lend_budget_.end(), 0);
+  return first_short;
+}
+
+std::string KVCacheManager::LendNote(std::size_t w) const {
+  if (!lending_) return "";
+  std::int64_t blocks = 0;
+  for (std::size_t v = 0; v < windows_.size(); ++v) {
+    if (v != w) blocks += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
+  }
+  return detail::Concat(" (counting ", blocks, " that the other windows' wholly free slabs could lend it alone)");
+}
+
+void KVCacheManager::Borrow(std::size_t w) {
+  std::size_t donor = windows_.size();
+  for (std::size_t v = 0; v < windows_.size(); ++v) {
+    if (v != w && lend_budget_[v] > 0 && (donor == windows_.size() || lend_budget_[v] > lend_budget_[donor])) donor = v;
+  }
+  KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " ran out of blocks with nothing to borrow"));
+  --lend_budget_[donor];
+  const std::int32_t slab = windows_[donor]->LendSlab(&displaced_);
+  windows_[w]->AdoptSlab(slab);
+  ++lent_slabs_;
 }
 
 void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
@@ -507,13 +673,19 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
   std::vector<std::int32_t> front;
   const std::vector<std::int32_t> need = PromptBlocksNeeded(plan, num_blocks, &front);
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (windows_[w]->NumFreePrimary() < need[w]) {
+  {
+    std::vector<std::int64_t> want(need.begin(), need.end());
+    std::vector<std::int64_t> available(windows_.size());
+    for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary();
+    const std::int64_t short_w = PlanBlocks(want, available);
+    if (short_w >= 0) {
+      const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
                                             " blocks for a ", n, "-token prompt (", reused,
-                                            " tokens reused) but has ", windows_[w]->NumFreePrimary(), " free"));
+                                            " tokens reused) but has ", available[w], " free", LendNote(w)));
     }
   }
+  const LendScope lend_scope{&lend_budget_};
   Sequence& seq = sequences_[id];
   seq.id = id;
   seq.num_tokens = first;
@@ -613,19 +785,25 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
   const std::int32_t release_at = seq.num_tokens + 1;
   const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
   const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
-  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
-    const WindowBlockManager& wm = *windows_[w];
-    const SequenceWindow& sw = seq.windows[w];
-    std::int32_t available = wm.NumFreePrimary();
-    for (std::int32_t j = sw.front_null; j < ReleaseTarget(w, release_at); ++j) {
-      available += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
+  if (need > 0) {
+    std::vector<std::int64_t> available(windows_.size());
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      const WindowBlockManager& wm = *windows_[w];
+      const SequenceWindow& sw = seq.windows[w];
+      available[w] = wm.NumFreePrimary();
+      for (std::int32_t j = sw.front_null; j < ReleaseTarget(w, release_at); ++j) {
+        available[w] += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
+      }
     }
-    if (available < need) {
+    const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), available);
+    if (short_w >= 0) {
+      const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("prefill: request ", id, " needs ", need, " new blocks in window ",
-                                            window_sizes_[w], " for ", num_tokens, " tokens but only ", available,
-                                            " can be freed or are free"));
+                                            window_sizes_[w], " for ", num_tokens, " tokens but only ", available[w],
+                                            " can be freed or are free", LendNote(w)));
     }
   }
+  const LendScope lend_scope{&lend_budget_};
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     ReleaseFront(seq, w, release_at);
     for (std::int32_t j = positions; j < positions + need; ++j) {
@@ -670,9 +848,11 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).
+  bool short_of_blocks = false;
   for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
     WindowBlockManager& wm = *windows_[w];
-    std::int64_t available = wm.NumFreePrimary();
+    std::int64_t& available = batch_available_[w];
+    available = wm.NumFreePrimary();
     if (available >= need) continue;
     shared_release_.clear();
     for (const Sequence* seq : batch_) {
@@ -695,11 +875,18 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
       if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++available;
       i = j;
     }
-    if (available < need) {
+    short_of_blocks = short_of_blocks || available < need;
+  }
+  if (short_of_blocks) {
+    const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), batch_available_);
+    if (short_w >= 0) {
+      const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                            " but only ", available, " can be freed or are free"));
+                                            " but only ", batch_available_[w], " can be freed or are free",
+                                            LendNote(w)));
     }
   }
+  const LendScope lend_scope{&lend_budget_};
   // 3. Mutate: append, release what left each sliding window, then allocate.
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = *batch_[i];
@@ -766,18 +953,24 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   const std::int32_t tail_tokens = new_len % tpb_;
   // The last kept block will be written again: unless it is private, it is copied first.
   std::vector<char> copy(windows_.size(), 0);
+  std::vector<std::int64_t> need(windows_.size(), 0);
+  std::vector<std::int64_t> available(windows_.size(), 0);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const WindowBlockManager& wm = *windows_[w];
     const auto& blocks = seq.windows[w].blocks;
+    available[w] = wm.NumFreePrimary();
     if (tail_tokens == 0 || IsPrivate(seq, w, static_cast<std::int32_t>(keep - 1))) continue;
     copy[w] = 1;
-    std::int32_t available = wm.NumFreePrimary();
-    for (std::size_t j = keep; j < blocks.size(); ++j) available += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
-    if (available < 1) {
-      throw OutOfBlocksError(detail::Concat("rewind: request ", id, " needs a private copy of a shared block in window ",
-                                            window_sizes_[w], " but no block is free"));
-    }
+    need[w] = 1;
+    for (std::size_t j = keep; j < blocks.size(); ++j) available[w] += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
   }
+  const std::int64_t short_w = PlanBlocks(need, available);
+  if (short_w >= 0) {
+    throw OutOfBlocksError(detail::Concat("rewind: request ", id, " needs a private copy of a shared block in window ",
+                                          window_sizes_[static_cast<std::size_t>(short_w)], " but no block is free",
+                                          LendNote(static_cast<std::size_t>(short_w))));
+  }
+  const LendScope lend_scope{&lend_budget_};
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& blocks = seq.windows[w].blocks;
     for (auto j = static_cast<std::int32_t>(blocks.size()) - 1; j >= static_cast<std::int32_t>(keep); --j) {
@@ -822,16 +1015,53 @@ std::vector<BlockId> KVCacheManager::GetCacheBlockIds(SeqId id, WindowSize windo
   return Find(id).windows[w].blocks;
 }
 
+std::int32_t KVCacheManager::FreeBlocksLocked(std::size_t w) const {
+  std::int64_t free = windows_[w]->NumFreePrimary();
+  if (lending_) {
+    for (std::size_t v = 0; v < windows_.size(); ++v) {
+      if (v != w) free += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
+    }
+  }
+  return static_cast<std::int32_t>(free);
+}
+
 std::int32_t KVCacheManager::GetNumFreeBlocks(WindowSize window) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return windows_[WindowIndex(window)]->NumFreePrimary();
+  return FreeBlocksLocked(WindowIndex(window));
 }
 
 std::int32_t KVCacheManager::GetMinNumFreeBlocks() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int32_t m = windows_.front()->NumFreePrimary();
-  for (const auto& w : windows_) m = std::min(m, w->NumFreePrimary());
+  std::int32_t m = FreeBlocksLocked(0);
+  for (std::size_t w = 1; w < windows_.size(); ++w) m = std::min(m, FreeBlocksLocked(w));
   return m;
+}
+
+bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::int64_t> want(windows_.size(), 0);
+  std::vector<std::int64_t> available(windows_.size(), 0);
+  for (const auto& [window, n] : need) {
+    if (n < 0) ThrowInvalid("can_allocate: window ", window, " needs a negative number of blocks (", n, ")");
+    want[WindowIndex(window)] = n;
+  }
+  bool short_of_blocks = false;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    available[w] = windows_[w]->NumFreePrimary();
+    short_of_blocks = short_of_blocks || available[w] < want[w];
+  }
+  if (!short_of_blocks) return true;
+  if (!lending_) return false;
+  std::int64_t short_slabs = 0;
+  std::int64_t lendable = 0;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (available[w] < want[w]) {
+      short_slabs += CeilDiv(want[w] - available[w], windows_[w]->blocks_per_slab());
+    } else {
+      lendable += Lendable(w, want[w], available[w]);
+    }
+  }
+  return lendable >= short_slabs;
 }
 
 std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
@@ -857,7 +1087,9 @@ std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t ro
   const std::int64_t kv = kv_factor_;
   for (std::size_t g = 0; g < pool_index_.size(); ++g) {
     const auto [w, p] = pool_index_[g];
-    const std::int64_t stride = static_cast<std::int64_t>(windows_[w]->pools()[p].layers.size()) * kv;
+    // Offsets count K/V slabs of the pool from its base; a block is `stride` of them.
+    const std::int64_t stride =
+        static_cast<std::int64_t>(windows_[w]->primary_stride(p) / windows_[w]->pools()[p].SlabBytes());
     for (std::size_t i = 0; i < n; ++i) {
       const auto& blocks = seqs[i]->windows[w].blocks;
       for (std::int64_t k = 0; k < kv; ++k) {
@@ -890,7 +1122,7 @@ LayerView KVCacheManager::GetLayerView(std::int32_t layer) const {
   view.data = static_cast<unsigned char*>(wm.primary_base(p)) + static_cast<std::int64_t>(idx) * kv_factor_ * slab;
   view.dtype = pool.dtype;
   view.shape = {wm.num_primary(), kv_factor_, pool.num_kv_heads, tpb_, pool.head_dim};
-  view.strides = {static_cast<std::int64_t>(pool.BlockBytes()), slab,
+  view.strides = {static_cast<std::int64_t>(wm.primary_stride(p)), slab,
                   static_cast<std::int64_t>(tpb_) * pool.head_dim * elem, pool.head_dim * elem, elem};
   view.backend = backend_->Kind();
   return view;
@@ -902,7 +1134,8 @@ KvCacheStats KVCacheManager::GetStats() const {
   s.tokens_per_block = tpb_;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const auto& wm = *windows_[w];
-    s.max_num_blocks += wm.num_primary();
+    s.max_num_blocks += wm.NumOwnedPrimary();
+    s.num_owned_blocks_per_window_size[wm.window()] = wm.NumOwnedPrimary();
     s.free_num_blocks += wm.NumFreePrimary();
     s.num_free_blocks_per_window_size[wm.window()] = wm.NumFreePrimary();
     s.allocated_bytes += static_cast<std::int64_t>(wm.allocated_bytes());
@@ -916,6 +1149,8 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.onboarded_blocks += wm.onboarded_blocks();
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
+  s.lent_slabs = lent_slabs_;
+  s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(arena_.bytes) : 0;
   s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
   const auto lookups = s.reused_blocks + s.missed_blocks;
   s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
@@ -952,7 +1187,7 @@ void KVCacheManager::CheckInvariants() const {
           KVC_CHECK(b == kNullBlock, detail::Concat("request ", id, ": released position ", j, " holds a block"));
           continue;
         }
-        KVC_CHECK(b >= 0 && b < windows_[w]->num_primary(),
+        KVC_CHECK(b >= 0 && b < windows_[w]->num_primary() && windows_[w]->Owns(b),
                   detail::Concat("request ", id, ", window ", window_sizes_[w], ": position ", j,
                                  " holds invalid block ", b));
         ++refs[w][static_cast<std::size_t>(b)];
@@ -961,6 +1196,15 @@ void KVCacheManager::CheckInvariants() const {
   }
   tree_->CheckInvariants();
   for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
+  if (lending_) {  // the windows' slabs partition the arena
+    const std::int32_t slabs = windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
+    for (std::int32_t k = 0; k < slabs; ++k) {
+      std::int32_t owners = 0;
+      for (const auto& wm : windows_) owners += wm->OwnsSlab(k) ? 1 : 0;
+      KVC_CHECK(owners == 1, detail::Concat("slab ", k, " of the shared arena has ", owners, " owners"));
+    }
+  }
+  for (const std::int64_t b : lend_budget_) KVC_CHECK(b == 0, "a lending budget outlived its call");
   CheckOwnership();
 }
 

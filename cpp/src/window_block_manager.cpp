@@ -11,7 +11,7 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
                                        std::vector<PoolLayout> pools, std::int32_t num_primary,
                                        std::int32_t num_secondary, MemoryBackend* backend,
                                        ReuseTree* tree, WindowReuseOptions options,
-                                       EventLog* events)
+                                       EventLog* events, const SharedPrimary* shared)
     : window_(window),
       is_swa_(is_swa),
       index_(window_index),
@@ -22,18 +22,45 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
       tree_(tree),
       options_(options),
       events_(events),
-      policy_(num_primary, num_secondary, options.protected_fraction) {
+      policy_(num_primary, num_secondary, options.protected_fraction, shared != nullptr ? shared->blocks_per_slab : 0) {
   const auto total = static_cast<std::size_t>(num_primary + num_secondary);
   state_.assign(total, BlockState{});
   releasers_.assign(total, {});
   primary_.assign(pools_.size(), nullptr);
+  primary_stride_.assign(pools_.size(), 0);
   secondary_.assign(pools_.size(), nullptr);
+  BlockId first_owned = 0;
+  BlockId end_owned = num_primary;
+  if (shared != nullptr) {
+    KVC_CHECK(shared->blocks_per_slab > 0 && num_primary == shared->num_slabs * shared->blocks_per_slab &&
+                  shared->pool_offsets.size() == pools_.size() && shared->first_slab >= 0 &&
+                  shared->first_slab + shared->owned_slabs <= shared->num_slabs,
+              "shared primary memory does not match the window");
+    own_primary_ = false;
+    slab_blocks_ = shared->blocks_per_slab;
+    slab_owned_.assign(static_cast<std::size_t>(shared->num_slabs), 0);
+    for (std::int32_t k = shared->first_slab; k < shared->first_slab + shared->owned_slabs; ++k) {
+      slab_owned_[static_cast<std::size_t>(k)] = 1;
+    }
+    first_owned = shared->first_slab * slab_blocks_;
+    end_owned = first_owned + shared->owned_slabs * slab_blocks_;
+    for (std::size_t p = 0; p < pools_.size(); ++p) {
+      primary_[p] = shared->base == nullptr ? nullptr : shared->base + shared->pool_offsets[p];
+      primary_stride_[p] = shared->block_stride;
+    }
+  }
+  owned_primary_ = end_owned - first_owned;
+  policy_.SetLevelSize(CacheLevel::kPrimary, owned_primary_);
   try {
     for (std::size_t p = 0; p < pools_.size(); ++p) {
-      const std::size_t primary_bytes = pools_[p].BlockBytes() * static_cast<std::size_t>(num_primary);
-      const std::size_t secondary_bytes = pools_[p].BlockBytes() * static_cast<std::size_t>(num_secondary);
-      primary_[p] = backend_->Allocate(CacheLevel::kPrimary, primary_bytes);
-      if (backend_->HasMemory()) allocated_bytes_ += primary_bytes;
+      const std::size_t block_bytes = pools_[p].BlockBytes();
+      if (own_primary_) {
+        const std::size_t primary_bytes = block_bytes * static_cast<std::size_t>(num_primary);
+        primary_[p] = backend_->Allocate(CacheLevel::kPrimary, primary_bytes);
+        primary_stride_[p] = block_bytes;
+        if (backend_->HasMemory()) allocated_bytes_ += primary_bytes;
+      }
+      const std::size_t secondary_bytes = block_bytes * static_cast<std::size_t>(num_secondary);
       if (secondary_bytes > 0) {
         secondary_[p] = backend_->Allocate(CacheLevel::kSecondary, secondary_bytes);
         if (backend_->HasMemory()) allocated_bytes_ += secondary_bytes;
@@ -41,25 +68,26 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
     }
   } catch (...) {
     for (std::size_t p = 0; p < pools_.size(); ++p) {
-      backend_->Free(CacheLevel::kPrimary, primary_[p]);
+      if (own_primary_) backend_->Free(CacheLevel::kPrimary, primary_[p]);
       backend_->Free(CacheLevel::kSecondary, secondary_[p]);
     }
     throw;
   }
-  // Every block starts free and empty, in id order.
-  for (BlockId b = 0; b < num_primary + num_secondary; ++b) policy_.Push(b, EvictionPolicy::kScratch);
+  // Every owned block starts free and empty, in id order.
+  for (BlockId b = first_owned; b < end_owned; ++b) policy_.Push(b, EvictionPolicy::kScratch);
+  for (BlockId b = num_primary; b < num_primary + num_secondary; ++b) policy_.Push(b, EvictionPolicy::kScratch);
 }
 
 WindowBlockManager::~WindowBlockManager() {
   for (std::size_t p = 0; p < pools_.size(); ++p) {
-    backend_->Free(CacheLevel::kPrimary, primary_[p]);
+    if (own_primary_) backend_->Free(CacheLevel::kPrimary, primary_[p]);
     backend_->Free(CacheLevel::kSecondary, secondary_[p]);
   }
 }
 
 unsigned char* WindowBlockManager::Address(BlockId b, std::size_t pool) const {
+  if (IsPrimary(b)) return static_cast<unsigned char*>(primary_[pool]) + static_cast<std::size_t>(b) * primary_stride_[pool];
   const std::size_t bytes = pools_[pool].BlockBytes();
-  if (IsPrimary(b)) return static_cast<unsigned char*>(primary_[pool]) + static_cast<std::size_t>(b) * bytes;
   return static_cast<unsigned char*>(secondary_[pool]) + static_cast<std::size_t>(b - num_primary_) * bytes;
 }
 
@@ -101,10 +129,7 @@ void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int
   events_->Push(std::move(e));
 }
 
-BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
-                                  std::vector<SeqId>* displaced) {
-  KVC_CHECK(IsPrimary(b) && state_[b].ref_count == 0,
-            detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
+void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced) {
   policy_.Remove(b);
   if (state_[b].node != kNoNode) {
     if (offload) {
@@ -118,14 +143,51 @@ BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int
     releasers_[b].clear();
     state_[b].has_releasers = false;
   }
-  state_[b].ref_count = 1;
   state_[b].hit = false;
-  state_[b].owner = owner;
   ++state_[b].generation;
+}
+
+BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
+                                  std::vector<SeqId>* displaced) {
+  KVC_CHECK(IsPrimary(b) && state_[b].ref_count == 0 && Owns(b),
+            detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
+  Reclaim(b, offload, displaced);
+  state_[b].ref_count = 1;
+  state_[b].owner = owner;
   state_[b].priority = static_cast<std::int8_t>(priority);
   if (state_[b].expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
   state_[b].expiry_ms = expiry_ms;
   return b;
+}
+
+std::int32_t WindowBlockManager::LendSlab(std::vector<SeqId>* displaced) {
+  KVC_CHECK(slab_blocks_ > 0 && policy_.NumFreeSlabs() > 0,
+            detail::Concat("window ", window_, " has no wholly free slab to lend"));
+  const BlockId victim = policy_.Peek(CacheLevel::kPrimary);
+  std::int32_t slab = victim / slab_blocks_;
+  if (!policy_.SlabListed(slab)) slab = policy_.OldestFreeSlab();
+  const BlockId first = slab * slab_blocks_;
+  for (BlockId b = first; b < first + slab_blocks_; ++b) {
+    // Evicting one block may unlink (and re-queue) others of the slab below it: still free.
+    Reclaim(b, /*offload=*/true, displaced);
+    state_[b].owner = -1;
+    state_[b].priority = static_cast<std::int8_t>(kDefaultPriority);
+    state_[b].expiry_ms = 0;
+  }
+  slab_owned_[static_cast<std::size_t>(slab)] = 0;
+  owned_primary_ -= slab_blocks_;
+  policy_.SetLevelSize(CacheLevel::kPrimary, owned_primary_);
+  return slab;
+}
+
+void WindowBlockManager::AdoptSlab(std::int32_t slab) {
+  KVC_CHECK(slab_blocks_ > 0 && slab >= 0 && static_cast<std::size_t>(slab) < slab_owned_.size() && !OwnsSlab(slab),
+            detail::Concat("window ", window_, ": cannot adopt slab ", slab));
+  slab_owned_[static_cast<std::size_t>(slab)] = 1;
+  owned_primary_ += slab_blocks_;
+  policy_.SetLevelSize(CacheLevel::kPrimary, owned_primary_);
+  const BlockId first = slab * slab_blocks_;
+  for (BlockId b = first; b < first + slab_blocks_; ++b) policy_.Push(b, EvictionPolicy::kScratch);
 }
 
 BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms,
@@ -342,6 +404,12 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
                                          expected_refs[b], " references from sequences and pins"));
     }
     const bool free = state_[b].ref_count == 0;
+    if (IsPrimary(b) && !Owns(b)) {  // lent to another window: nothing of this window's
+      KVC_CHECK(free && !policy_.Contains(b) && state_[b].node == kNoNode && !state_[b].has_releasers &&
+                    releasers_[b].empty(),
+                detail::Concat("window ", window_, ": block ", b, " of a slab it does not own is in use"));
+      continue;
+    }
     if (IsDisk(b)) {
       CheckDiskSlot(b);
     } else if (free != policy_.Contains(b)) {
@@ -375,6 +443,22 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
     KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && state_[b].node == n),
               detail::Concat("window ", window_, ": tree node ", n, " holds block ", b, " which does not point back"));
   });
+  if (slab_blocks_ > 0) {
+    std::int32_t owned = 0;
+    std::int32_t wholly_free = 0;
+    for (std::int32_t k = 0; k < static_cast<std::int32_t>(slab_owned_.size()); ++k) {
+      std::int32_t slab_free = 0;
+      for (BlockId b = k * slab_blocks_; b < (k + 1) * slab_blocks_; ++b) slab_free += policy_.Contains(b) ? 1 : 0;
+      KVC_CHECK(policy_.SlabFree(k) == slab_free && policy_.SlabListed(k) == (slab_free == slab_blocks_),
+                detail::Concat("window ", window_, ": slab ", k, " counts ", policy_.SlabFree(k), " free blocks, has ",
+                               slab_free));
+      owned += OwnsSlab(k) ? slab_blocks_ : 0;
+      wholly_free += slab_free == slab_blocks_ ? 1 : 0;
+    }
+    KVC_CHECK(owned == owned_primary_ && wholly_free == policy_.NumFreeSlabs(),
+              detail::Concat("window ", window_, ": owns ", owned, " blocks (counted ", owned_primary_, "), ",
+                             wholly_free, " wholly free slabs (counted ", policy_.NumFreeSlabs(), ")"));
+  }
   std::int32_t visited = 0;
   policy_.ForEach(CacheLevel::kPrimary, [&](BlockId b) {
     KVC_CHECK(b >= 0 && b < num_primary_, "secondary block in the primary free queue");

@@ -686,6 +686,9 @@ struct ContentConfig {
   SwaReusePolicy policy = SwaReusePolicy::kPlaceholder;
   std::int32_t pool_slack = 0;  // extra primary blocks per window
   bool plain_lru = false;       // protect_hit_blocks off
+  // lend_free_memory on, and the first window gets twice the layers (so its blocks are twice
+  // the size of the others' and a slab is one of its blocks, two of theirs).
+  bool lend = false;
   std::uint64_t seed = 0;  // before KVCACHE_CONTENT_SEED is added
 
   std::uint64_t EffectiveSeed() const {
@@ -702,6 +705,7 @@ struct ContentConfig {
     os << "_sec" << secondary << "_draft" << max_draft;
     os << (policy == SwaReusePolicy::kInvalidate ? "_invalidate" : "_placeholder");
     if (plain_lru) os << "_lru";
+    if (lend) os << "_lend";
     return os.str();
   }
 };
@@ -734,6 +738,25 @@ std::vector<ContentConfig> ContentConfigs() {
       }
     }
   }
+  // Windows that lend each other memory: every multi-window set, every block size.
+  for (const auto& windows : window_sets) {
+    if (windows.size() < 2) continue;
+    for (const std::int32_t tpb : {2, 3, 4}) {
+      ContentConfig c;
+      c.windows = windows;
+      c.tpb = tpb;
+      c.lend = true;
+      c.partial_reuse = i % 3 != 2;
+      c.copy_on_partial = i % 3 == 0;
+      c.secondary = i % 2 == 0 ? 0 : 4;
+      c.max_draft = (i / 2) % 2 == 0 ? 0 : 2;
+      c.policy = (i / 4) % 2 == 0 ? SwaReusePolicy::kPlaceholder : SwaReusePolicy::kInvalidate;
+      c.pool_slack = static_cast<std::int32_t>(i % 3);
+      c.seed = 0x5eed0000u + i * 7919u;
+      ++i;
+      out.push_back(c);
+    }
+  }
   return out;
 }
 
@@ -760,6 +783,7 @@ struct RunStats {
   std::int64_t reused_tokens = 0;
   std::int64_t invalidated = 0;  // requests no longer valid for reuse when they ended
   std::int64_t offloaded = 0;
+  std::int64_t lent_slabs = 0;  // slabs windows lent each other (lend_free_memory)
   std::int64_t onboarded = 0;
   std::int64_t held_after_drain = 0;  // primary blocks still referenced when everything ended
   std::int64_t out_of_blocks = 0;
@@ -837,7 +861,7 @@ class ContentRun {
   };
 
   static ModelSpec Model(const ContentConfig& c) {
-    return TagModel(static_cast<std::int32_t>(c.windows.size()) * c.layers_per_window);
+    return TagModel(static_cast<std::int32_t>(c.windows.size() + (c.lend ? 1 : 0)) * c.layers_per_window);
   }
 
   static ManagerConfig Manager(const ContentConfig& c) {
@@ -849,7 +873,10 @@ class ContentRun {
       // while decoding, so about one longest prompt.
       primary[full ? kMaxSeqLen : w] = (full ? 2 * blocks_per_seq : blocks_per_seq + 2) + c.pool_slack;
     }
-    ManagerConfig m = ReuseConfig(c.windows, kMaxSeqLen, primary, c.tpb);
+    std::vector<std::int32_t> pattern = c.windows;
+    if (c.lend) pattern.insert(pattern.begin(), c.windows.front());
+    ManagerConfig m = ReuseConfig(pattern, kMaxSeqLen, primary, c.tpb);
+    m.lend_free_memory = c.lend;
     for (auto& kv : m.blocks_per_window) kv.second.secondary = c.secondary;
     m.enable_partial_reuse = c.partial_reuse;
     m.copy_on_partial_reuse = c.copy_on_partial;
@@ -1115,6 +1142,7 @@ class ContentRun {
     const KvCacheStats stats = m.GetStats();
     stats_.offloaded = stats.offloaded_blocks;
     stats_.onboarded = stats.onboarded_blocks;
+    stats_.lent_slabs = stats.lent_slabs;
     // Every pin was dropped exactly as taken: nothing may stay referenced.
     stats_.held_after_drain = stats.used_num_blocks;
   }
@@ -1144,7 +1172,7 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
        << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
        << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.chunked << " chunked prompts ("
        << s.chunks << " more chunks), " << s.pins << " pins, " << s.invalidated
-       << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.held_after_drain
+       << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.held_after_drain
        << " blocks held after drain";
   std::printf("%s\n", line.str().c_str());
   RecordProperty("operations", static_cast<int>(s.operations));
@@ -1162,6 +1190,9 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
   EXPECT_GT(s.hits, 0) << "no prefix hit: the run tests nothing";
   EXPECT_GT(s.positions_checked, s.operations);
   EXPECT_GT(s.chunks, 0) << "no chunked prefill";
+  if (config.lend) {
+    EXPECT_GT(s.lent_slabs, 0) << "no window lent memory: the run tests no lending";
+  }
   EXPECT_EQ(s.held_after_drain, 0) << "blocks still referenced after every request ended and every pin was dropped";
 }
 

@@ -34,8 +34,14 @@ class EvictionPolicy {
   static constexpr double kDefaultProtectedFraction = 0.1;
 
   /// `protected_cap` per level: ceil(`protected_fraction` x the level's blocks).
+  /// `slab_blocks` > 0 groups the primary ids into slabs of that many consecutive ids (the unit
+  /// of memory that windows lend each other) and tracks which slabs have every block free.
   EvictionPolicy(std::int32_t num_primary, std::int32_t num_secondary,
-                 double protected_fraction = kDefaultProtectedFraction);
+                 double protected_fraction = kDefaultProtectedFraction, std::int32_t slab_blocks = 0);
+
+  /// Recomputes the protected cap of `level` for a level of `num_blocks` blocks (the blocks a
+  /// window owns changed). A lower cap demotes nothing now; later pushes demote one each.
+  void SetLevelSize(CacheLevel level, std::int32_t num_blocks);
 
   /// Queues free block `b` at `priority` (kScratch or 0..100), in the protected queue of that
   /// priority if `protect`; at the back unless `to_front`. Returns the block demoted from
@@ -66,6 +72,15 @@ class EvictionPolicy {
     return b < num_primary_ ? CacheLevel::kPrimary : CacheLevel::kSecondary;
   }
 
+  /// Slabs (see the constructor) whose blocks are all free; 0 without slabs.
+  std::int32_t NumFreeSlabs() const { return num_free_slabs_; }
+  /// The slab that has had every block free the longest, or -1.
+  std::int32_t OldestFreeSlab() const { return slab_head_; }
+  /// Free blocks of slab `s`.
+  std::int32_t SlabFree(std::int32_t s) const { return slab_free_[static_cast<std::size_t>(s)]; }
+  /// True if slab `s` is in the list of slabs with every block free.
+  bool SlabListed(std::int32_t s) const { return slab_listed_[static_cast<std::size_t>(s)] != 0; }
+
  private:
   // Slot 0: scratch; then (probation, protected) for each priority 0..100.
   static constexpr int kQueuesPerLevel = 2 * (kMaxPriority + 1) + 1;
@@ -79,6 +94,8 @@ class EvictionPolicy {
   static bool IsProtectedSlot(int slot) { return slot > 0 && slot % 2 == 0; }
   void Insert(BlockId b, int q, bool to_front);
   void Erase(BlockId b);
+  void SlabGained(BlockId b);  // primary block b became free
+  void SlabLost(BlockId b);    // primary block b stopped being free
 
   std::int32_t num_primary_;
   struct Link {  // one per block: its neighbours and queue, together in memory
@@ -93,6 +110,16 @@ class EvictionPolicy {
   std::array<std::int32_t, 2> num_free_{};
   std::array<std::int32_t, 2> num_protected_{};
   std::array<std::int32_t, 2> protected_cap_{};
+  double protected_fraction_;
+  // Slabs: free blocks per slab and an intrusive FIFO of the slabs with every block free.
+  std::int32_t slab_blocks_ = 0;
+  std::vector<std::int32_t> slab_free_;
+  std::vector<std::int32_t> slab_prev_;
+  std::vector<std::int32_t> slab_next_;
+  std::vector<char> slab_listed_;
+  std::int32_t slab_head_ = -1;
+  std::int32_t slab_tail_ = -1;
+  std::int32_t num_free_slabs_ = 0;
 };
 
 }  // namespace kvcache

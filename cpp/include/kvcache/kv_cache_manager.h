@@ -1,6 +1,7 @@
 // The manager façade: sequences, fanned out over one WindowBlockManager per window size.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -82,6 +83,11 @@ struct ManagerConfig {
   bool protect_hit_blocks = true;
   /// Most blocks of a window (share per cache level, in [0, 1]) that wait as protected.
   double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
+  /// Windows lend each other memory: every window's primary blocks live in one shared arena cut
+  /// into slabs (the least common multiple of the windows' block sizes); a window that runs out
+  /// of free blocks takes a wholly free slab of another window (evicting what it cached) instead
+  /// of failing. `blocks_per_window` is then the initial split. Block ids span the whole arena.
+  bool lend_free_memory = false;
   /// Disk-tier slots per window (below the secondary pool; missing windows: none).
   std::map<WindowSize, std::int32_t> disk_blocks_per_window;
   std::string disk_cache_dir;  ///< Directory of the disk tier; empty: a private temporary one.
@@ -105,6 +111,10 @@ struct KvCacheStats {
   std::map<WindowSize, std::int64_t> reused_blocks_per_window_size;
   std::map<WindowSize, std::int64_t> missed_blocks_per_window_size;
   std::int64_t num_cached_nodes = 0;  ///< Nodes of the reuse tree (root excluded).
+  /// Slabs that windows lent each other (lend_free_memory), and the primary blocks each window
+  /// owns now (its initial blocks without lending).
+  std::int64_t lent_slabs = 0;
+  std::map<WindowSize, std::int64_t> num_owned_blocks_per_window_size;
 };
 
 /// Per-request reuse counters (summed over windows).
@@ -125,6 +135,9 @@ struct PoolInfo {
   std::int32_t head_dim = 0;
   DType dtype = DType::kFloat16;
   std::size_t block_bytes = 0;  ///< One block of this pool: every layer, K and V.
+  /// Bytes from one primary block to the next: block_bytes, or more when windows share memory
+  /// (the blocks of a window's pools interleave in the shared arena).
+  std::size_t block_stride = 0;
   std::int32_t num_primary = 0;
   std::int32_t num_secondary = 0;
   std::uintptr_t primary_ptr = 0;
@@ -172,7 +185,9 @@ class KVCacheManager {
   std::int32_t max_blocks_per_seq() const { return max_blocks_per_seq_; }
   std::int32_t kv_factor() const { return kv_factor_; }
   BackendKind backend() const { return backend_->Kind(); }
+  /// Primary (owned now, see lend_free_memory) and secondary blocks per window.
   std::map<WindowSize, WindowBlocks> blocks_per_window() const;
+  bool lends_free_memory() const { return lending_; }
   /// Pools in global order: ascending window, then ascending (KV-head count, head size, dtype)
   /// with dtypes in DType order.
   std::vector<PoolInfo> pools() const;
@@ -252,10 +267,15 @@ class KVCacheManager {
   std::size_t NumSequences() const;
   /// Block list of `id` in `window`: one entry per block position, kNullBlock where released.
   std::vector<BlockId> GetCacheBlockIds(SeqId id, WindowSize window) const;
-  /// Primary blocks of `window` that can be handed out now.
+  /// Primary blocks of `window` that can be handed out now (with lend_free_memory: its own free
+  /// blocks plus those the other windows' wholly free slabs would give it, if it alone asked).
   std::int32_t GetNumFreeBlocks(WindowSize window) const;
   /// Minimum of GetNumFreeBlocks over all windows.
   std::int32_t GetMinNumFreeBlocks() const;
+  /// Whether every window can hand out `need[window]` blocks at once now (windows not named need
+  /// none): GetNumFreeBlocks per window, except that under lend_free_memory the windows compete
+  /// for the same lendable slabs.
+  bool CanAllocate(const std::map<WindowSize, std::int32_t>& need) const;
 
   /// Fills `out` (int32, C-contiguous `[num_pools, rows, kv_factor, width]`) for a batch.
   /// Row `slot_offset + i` belongs to ids[i]; the entry of pool p, field k (0 = K, 1 = V) and
@@ -354,6 +374,24 @@ class KVCacheManager {
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
+  /// The blocks check of a mutating call: window w must hand out need[w] blocks and has
+  /// available[w] (free now plus what the call releases first). Without lending: the first
+  /// window short of blocks, or -1. With lending, windows short of blocks may borrow the other
+  /// windows' wholly free slabs: on success lend_budget_ holds what each window may lend during
+  /// the call (Borrow takes from it; a LendScope clears it).
+  std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available);
+  /// What window v could lend now while keeping `need_v` blocks of `available_v`, in slabs.
+  std::int64_t Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v) const;
+  /// " (with N more that other windows can lend)" under lending, else "".
+  std::string LendNote(std::size_t w) const;
+  /// GetNumFreeBlocks of window index w (the lock held).
+  std::int32_t FreeBlocksLocked(std::size_t w) const;
+  /// Window w is out of free blocks: moves a slab from the donor with the most budget left.
+  void Borrow(std::size_t w);
+  struct LendScope {
+    std::vector<std::int64_t>* budget;
+    ~LendScope() { std::fill(budget->begin(), budget->end(), 0); }
+  };
   std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
                           std::vector<std::vector<BlockId>>* pinned);
   /// Pinned block lists per window index, keyed by window size.
@@ -372,7 +410,22 @@ class KVCacheManager {
   std::int32_t kv_factor_;
   std::vector<WindowSize> window_sizes_;
   std::unique_ptr<MemoryBackend> backend_;
+  struct Arena {  // the primary memory shared by every window under lend_free_memory
+    MemoryBackend* backend = nullptr;
+    void* ptr = nullptr;
+    std::size_t bytes = 0;
+    Arena() = default;
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+    ~Arena() {
+      if (backend != nullptr) backend->Free(CacheLevel::kPrimary, ptr);
+    }
+  };
+  Arena arena_;  // declared before windows_: freed after them
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
+  bool lending_ = false;
+  std::vector<std::int64_t> lend_budget_;  // per window, during one mutating call
+  std::int64_t lent_slabs_ = 0;
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
   std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)
@@ -389,6 +442,7 @@ class KVCacheManager {
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;
   std::vector<BlockId> shared_release_;
+  std::vector<std::int64_t> batch_available_;  // per window: blocks AddTokens can hand out
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
   mutable std::mutex mu_;
 };

@@ -38,6 +38,21 @@ struct PoolLayout {
   std::size_t BlockBytes() const { return layers.size() * kv_factor * SlabBytes(); }
 };
 
+/// Primary memory that the manager allocated for every window together, so that windows can
+/// lend each other memory (ManagerConfig::lend_free_memory). Window block `b` of pool `p` lives
+/// at `base + b * block_stride + pool_offsets[p]`; the arena is cut into slabs of
+/// `blocks_per_slab` blocks of this window (the same bytes for every window), and a window owns
+/// whole slabs: initially [first_slab, first_slab + owned_slabs).
+struct SharedPrimary {
+  unsigned char* base = nullptr;  ///< nullptr for a backend without memory
+  std::size_t block_stride = 0;
+  std::vector<std::size_t> pool_offsets;
+  std::int32_t blocks_per_slab = 0;
+  std::int32_t num_slabs = 0;  ///< Slabs of the whole arena.
+  std::int32_t first_slab = 0;
+  std::int32_t owned_slabs = 0;
+};
+
 /// How a window treats cached blocks.
 struct WindowReuseOptions {
   /// Evicting a cached block also drops the part of the tree below it in this window (always for
@@ -63,7 +78,8 @@ class WindowBlockManager {
   WindowBlockManager(WindowSize window, bool is_swa, std::int32_t window_index,
                      std::vector<PoolLayout> pools, std::int32_t num_primary,
                      std::int32_t num_secondary, MemoryBackend* backend, ReuseTree* tree,
-                     WindowReuseOptions options, EventLog* events);
+                     WindowReuseOptions options, EventLog* events,
+                     const SharedPrimary* shared = nullptr);
   ~WindowBlockManager();
   WindowBlockManager(const WindowBlockManager&) = delete;
   WindowBlockManager& operator=(const WindowBlockManager&) = delete;
@@ -74,6 +90,9 @@ class WindowBlockManager {
   std::int32_t num_secondary() const { return num_secondary_; }
   const std::vector<PoolLayout>& pools() const { return pools_; }
   void* primary_base(std::size_t pool) const { return primary_[pool]; }
+  /// Bytes from one primary block of `pool` to the next (its block bytes unless the memory is
+  /// shared between windows).
+  std::size_t primary_stride(std::size_t pool) const { return primary_stride_[pool]; }
   void* secondary_base(std::size_t pool) const { return secondary_[pool]; }
   std::size_t allocated_bytes() const { return allocated_bytes_; }
   std::int64_t offloaded_blocks() const { return offloaded_; }
@@ -96,6 +115,27 @@ class WindowBlockManager {
   std::int64_t spilled_blocks() const { return spilled_; }
 
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
+
+  // Memory lending (SharedPrimary). Block ids [0, num_primary) span the whole arena; the window
+  // owns the ids of its slabs, and only those are ever free or handed out.
+  bool lends() const { return slab_blocks_ > 0; }
+  std::int32_t blocks_per_slab() const { return slab_blocks_; }
+  /// Primary blocks the window owns now (num_primary without lending).
+  std::int32_t NumOwnedPrimary() const { return owned_primary_; }
+  bool OwnsSlab(std::int32_t slab) const { return slab_owned_[static_cast<std::size_t>(slab)] != 0; }
+  /// True if primary block `b` lies in a slab this window owns (always, without lending).
+  bool Owns(BlockId b) const { return slab_blocks_ == 0 || slab_owned_[static_cast<std::size_t>(b / slab_blocks_)] != 0; }
+  /// Owned slabs whose blocks are all free (what the window can lend now).
+  std::int32_t NumFreeSlabs() const { return policy_.NumFreeSlabs(); }
+  /// Gives up one owned slab whose blocks are all free: the slab of the next eviction victim if
+  /// it is wholly free, else the one wholly free the longest. Each of its blocks ends its cached
+  /// identity (offloaded when allowed, else dropped from the tree) and gets a new generation;
+  /// live sequences that had released one out of window are appended to *displaced. Returns
+  /// the slab. Precondition: NumFreeSlabs() > 0.
+  std::int32_t LendSlab(std::vector<SeqId>* displaced);
+  /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
+  /// queue.
+  void AdoptSlab(std::int32_t slab);
   std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
@@ -151,6 +191,10 @@ class WindowBlockManager {
 
  private:
   unsigned char* Address(BlockId b, std::size_t pool) const;
+  /// Takes free primary block `b` out of the free queues and ends what it was: its cached
+  /// identity (offloaded when `offload`, else dropped) and the other sequences' records of its
+  /// content (appended to *displaced). Its generation is bumped. Grant and LendSlab use it.
+  void Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced);
   int QueuePriority(BlockId b) const;
   bool QueueProtected(BlockId b) const;
   /// Puts free block `b` in the queue its state says (at the front only if `to_front` and it
@@ -184,7 +228,13 @@ class WindowBlockManager {
   WindowReuseOptions options_;
   EventLog* events_;
   std::vector<void*> primary_;
+  std::vector<std::size_t> primary_stride_;
+  bool own_primary_ = true;  // false: the manager's shared arena
   std::vector<void*> secondary_;
+  // Lending: blocks per slab (0 = no lending), slab ownership, blocks owned.
+  std::int32_t slab_blocks_ = 0;
+  std::vector<char> slab_owned_;
+  std::int32_t owned_primary_ = 0;
   std::size_t allocated_bytes_ = 0;
   // Per-block state, one struct per block, so a hand-out or a release touches one cache line.
   struct BlockState {

@@ -1,0 +1,201 @@
+// Windows that lend each other memory (ManagerConfig::lend_free_memory): exact block ids, slab
+// moves, what a lent block loses, all-or-nothing failures and the shared memory layout.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+#include "test_util.h"
+
+namespace kvcache {
+namespace {
+
+using testing::Iota;
+
+constexpr BlockId N = kNullBlock;
+
+// Windows {4, 16} (16 = full attention at max_seq_len 16), 4-token blocks, host memory.
+ManagerConfig LendConfig(std::map<WindowSize, std::int32_t> primary, std::vector<std::int32_t> pattern = {4, 0}) {
+  ManagerConfig c = testing::Config(std::move(pattern), 16, std::move(primary), 4);
+  c.lend_free_memory = true;
+  return c;
+}
+
+std::map<WindowSize, std::int64_t> Owned(const KVCacheManager& m) { return m.GetStats().num_owned_blocks_per_window_size; }
+
+TEST(LendingTest, WindowOutOfBlocksBorrowsTheNextVictimOfAnother) {
+  // Equal block sizes: a slab is one block of each window. Window 4 owns slabs 0-1 (its ids 0,
+  // 1), full attention slabs 2-7 (its ids 2..7).
+  KVCacheManager m(testing::Model(2), LendConfig({{4, 2}, {16, 6}}));
+  EXPECT_EQ(m.blocks_per_window().at(4).primary, 2);
+  EXPECT_EQ(m.blocks_per_window().at(16).primary, 6);
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 2 + 6);  // its own and every wholly free slab of the other
+  auto t = Iota(12);
+  m.AddSequence(1, t.data(), t.size());  // 3 blocks per window; window 4 has 2
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{0, 1, 2}));   // borrowed slab 2
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{3, 4, 5}));  // full's victims after it
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 3}, {16, 5}}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  EXPECT_EQ(m.GetStats().max_num_blocks, 8);
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 2);   // nothing of its own; full's slabs 6 and 7
+  EXPECT_EQ(m.GetNumFreeBlocks(16), 2);  // 6 and 7
+  // Token 13: window 4 releases blocks 0 and 1 (out of window) before both windows take one.
+  const SeqId id = 1;
+  const TokenId tok = 50;
+  m.AddTokens(&id, &tok, 1);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 2, 0}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{3, 4, 5, 6}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);  // window 4 had free blocks again: nothing borrowed
+  m.CheckInvariants();
+  m.RemoveSequence(1);
+  m.CheckInvariants();
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 3 + 5);
+  EXPECT_EQ(m.GetStats().used_num_blocks, 0);
+}
+
+TEST(LendingTest, JointShortageFailsWithNothingChanged) {
+  KVCacheManager m(testing::Model(2), LendConfig({{4, 2}, {16, 6}}));
+  auto a = Iota(12);
+  m.AddSequence(1, a.data(), a.size());  // window 4: 0 1 2 (2 borrowed); full: 3 4 5; free: 6 7
+  const auto before = testing::Take(m, {1, 2});
+  const auto owned = Owned(m);
+  // 3 more blocks per window: full can lend nothing it needs itself, window 4 has none.
+  EXPECT_FALSE(m.CanAllocate({{4, 3}, {16, 3}}));
+  EXPECT_TRUE(m.CanAllocate({{4, 1}, {16, 1}}));   // window 4 borrows 7 while full takes 6
+  EXPECT_FALSE(m.CanAllocate({{4, 1}, {16, 2}}));  // full needs both of its free blocks
+  EXPECT_TRUE(m.CanAllocate({{4, 2}}));
+  auto b = Iota(12, 100);
+  EXPECT_THROW(m.AddSequence(2, b.data(), b.size()), OutOfBlocksError);
+  try {
+    m.AddSequence(2, b.data(), b.size());
+  } catch (const OutOfBlocksError& e) {
+    EXPECT_NE(std::string(e.what()).find("wholly free slabs could lend"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(testing::Take(m, {1, 2}), before);
+  EXPECT_EQ(Owned(m), owned);
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  m.CheckInvariants();
+  // One block per window fits: window 4 borrows full's oldest free slab (6), full takes 7.
+  auto c = Iota(4, 200);
+  m.AddSequence(3, c.data(), c.size());
+  EXPECT_EQ(m.GetCacheBlockIds(3, 4), (std::vector<BlockId>{6}));
+  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{7}));
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 4}, {16, 4}}));
+  m.CheckInvariants();
+}
+
+TEST(LendingTest, LentCachedBlockLeavesTheTreeAndItsReleaserBecomesInvalid) {
+  ManagerConfig c = LendConfig({{4, 6}, {16, 4}});  // window 4: ids 0-5; full: ids 6-9
+  c.enable_block_reuse = true;
+  c.swa_reuse_policy = SwaReusePolicy::kInvalidate;
+  KVCacheManager m(testing::Model(2), c);
+  auto p = Iota(8);
+  m.AddSequence(1, p.data(), p.size());
+  EXPECT_EQ(m.StoreContextBlocks(1), 1);  // block 0 of window 4 and block 6 of full are cached
+  for (const TokenId t : {90, 91, 92, 93, 94}) {
+    const SeqId id = 1;
+    m.AddTokens(&id, &t, 1);
+  }
+  // Window 4 released block 0 (cached) at token 9 and block 1 at token 12, out of window.
+  ASSERT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 2, 3}));
+  ASSERT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{6, 7, 8, 9}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);
+  EXPECT_TRUE(m.IsSequenceValidForReuse(1));
+  // Request 2: window 4 takes its scratch blocks 4 and 5; full has nothing free and borrows
+  // window 4's next victims: block 1 (scratch), then block 0 (cached, released by request 1).
+  auto q = Iota(8, 300);
+  m.AddSequence(2, q.data(), q.size());
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{4, 5}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{1, 0}));
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 4}, {16, 6}}));
+  EXPECT_TRUE(m.CachedBlockHashes(4).empty());      // the lent block's content is gone
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);     // full's own cached block stays
+  EXPECT_FALSE(m.IsSequenceValidForReuse(1));        // its record of block 0 is stale
+  EXPECT_EQ(m.GetReusablePrefixLength(p.data(), p.size(), {}), 0);  // window 4 lost the prefix
+  m.CheckInvariants();
+}
+
+TEST(LendingTest, UnequalBlockSizesMoveWholeSlabs) {
+  // Pattern {4, 4, full}: window 4 has two layers, full one, so a slab is one window-4 block or
+  // two full blocks. 4 window-4 blocks + 2 full blocks = 5 slabs: window 4 owns slabs 0-3 (its
+  // ids 0..3), full slab 4 (its ids 8, 9).
+  KVCacheManager m(testing::Model(3), LendConfig({{4, 4}, {16, 2}}, {4, 4, 0}));
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 4}, {16, 2}}));
+  const std::vector<PoolInfo> pools = m.pools();
+  ASSERT_EQ(pools.size(), 2u);
+  EXPECT_EQ(pools[0].primary_ptr, pools[1].primary_ptr);  // one arena
+  EXPECT_EQ(pools[0].block_stride, 2 * pools[1].block_stride);
+  EXPECT_EQ(pools[0].block_stride, pools[0].block_bytes);
+  EXPECT_EQ(pools[0].num_primary, 5);  // ids span the arena
+  EXPECT_EQ(pools[1].num_primary, 10);
+  EXPECT_EQ(m.GetNumFreeBlocks(16), 2 + 4 * 2);
+  auto t = Iota(16);
+  m.AddSequence(1, t.data(), t.size(), {}, /*prefill=*/8);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{0, 1}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9}));
+  // Next chunk: window 4 releases block 0 and takes 2; full has nothing free and borrows
+  // window 4's next wholly free slab, 3: full blocks 6 and 7.
+  m.Prefill(1, 4);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, 1, 2}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 6}));
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 3}, {16, 4}}));
+  m.Prefill(1, 4);  // full uses the other half of the slab; window 4 reuses block 0
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 2, 0}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 6, 7}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 1);   // block 1; full has no wholly free slab
+  EXPECT_EQ(m.GetNumFreeBlocks(16), 2);  // window 4's slab 1
+  m.CheckInvariants();
+  m.RemoveSequence(1);
+  m.CheckInvariants();
+  EXPECT_EQ(m.GetNumFreeBlocks(16), 4 + 3 * 2);
+}
+
+TEST(LendingTest, ViewsAndOffsetsAddressTheSharedArena) {
+  KVCacheManager m(testing::Model(3), LendConfig({{4, 2}, {16, 4}}, {4, 4, 0}));
+  auto t = Iota(16);
+  m.AddSequence(1, t.data(), t.size(), {}, 4);
+  // Layer 2 (full attention) writes its block; the bytes sit in the arena at the full stride.
+  const LayerView full = m.GetLayerView(2);
+  const LayerView swa = m.GetLayerView(1);  // second layer of window 4's pool
+  EXPECT_EQ(full.shape[0], 8);
+  EXPECT_EQ(swa.shape[0], 4);
+  EXPECT_EQ(swa.strides[0], 2 * full.strides[0]);
+  EXPECT_EQ(static_cast<unsigned char*>(swa.data) - static_cast<unsigned char*>(m.GetLayerView(0).data),
+            full.strides[0]);  // layer 1 follows layer 0 inside a window-4 block
+  const std::vector<PoolInfo> pools = m.pools();
+  // Full block b and window-4 block b / 2 share bytes: full block 5 is the second half of
+  // window-4 block 2.
+  auto* base = reinterpret_cast<unsigned char*>(pools[0].primary_ptr);
+  EXPECT_EQ(static_cast<unsigned char*>(full.data) + 5 * full.strides[0], base + 2 * swa.strides[0] + full.strides[0]);
+  // Offsets count K/V slabs from the pool base: block * stride / slab + k.
+  std::vector<std::int32_t> out(2 * 1 * 2 * 4, -7);
+  const SeqId id = 1;
+  EXPECT_EQ(m.CopyBlockOffsets(out.data(), 1, 4, &id, 1, 0), 1);
+  const std::int32_t swa_slabs_per_block = 4;   // 2 layers x K, V
+  const std::int32_t full_slabs_per_block = 2;  // 1 layer x K, V
+  const BlockId b4 = m.GetCacheBlockIds(1, 4)[0];
+  const BlockId bf = m.GetCacheBlockIds(1, 16)[0];
+  EXPECT_EQ(out[0], b4 * swa_slabs_per_block);
+  EXPECT_EQ(out[4], b4 * swa_slabs_per_block + 1);
+  EXPECT_EQ(out[8], bf * full_slabs_per_block);
+  EXPECT_EQ(out[12], bf * full_slabs_per_block + 1);
+}
+
+TEST(LendingTest, RejectsGeometryItCannotShare) {
+  ModelSpec model = testing::Model(2, {1}, 8);
+  model.num_kv_heads = {1021, 1031};  // coprime head counts: a slab would be 1021 x 1031 blocks
+  EXPECT_THROW(KVCacheManager(model, LendConfig({{4, 2000}, {16, 2000}})), std::invalid_argument);
+  // Fewer slabs than windows.
+  ModelSpec two = testing::Model(3);
+  EXPECT_THROW(KVCacheManager(two, LendConfig({{4, 1}, {16, 1}}, {4, 4, 0})), std::invalid_argument);
+  // A single window lends nothing: the flag is accepted and ignored.
+  KVCacheManager single(testing::Model(1), LendConfig({{16, 3}}, {0}));
+  EXPECT_FALSE(single.lends_free_memory());
+  EXPECT_EQ(single.pools()[0].block_stride, single.pools()[0].block_bytes);
+}
+
+}  // namespace
+}  // namespace kvcache
