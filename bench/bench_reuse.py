@@ -34,7 +34,9 @@ Prints tables of medians and totals; never asserts; seeded. Run:
     generated tokens, which it then prefills as part of its prompt. An admission attempt
     that does not fit ends the step's admissions and counts as a *deferred admission*.
 
-    Splits of the 20,000 blocks (512 / full): ``equal``; ``auto-old``, the ``"auto"`` share
+    Splits of the 20,000 blocks (512 / full): ``equal``; ``equal+lend``, the equal split
+    with ``lend_free_memory`` (the windows lend each other free memory at run time);
+    ``auto-old``, the ``"auto"`` share
     policy before issue 9 (in proportion to ``min(512 + 32, L)`` : ``L`` with ``L`` the mean
     sequence length); ``auto``, :func:`kvcache.sizing.blocks_per_window` with the ``"auto"``
     policy sized from demand (``max_batch_size`` 128, ``max_num_batched_tokens``, ``L``).
@@ -82,7 +84,7 @@ SWA = 512
 VOCAB = 32000
 TOTAL_BLOCKS = 20_000
 MAX_BATCH = 128
-SPLITS = ("equal", "auto-old", "auto")
+SPLITS = ("equal", "equal+lend", "auto-old", "auto")
 POLICIES = ("invalidate", "placeholder")
 
 T = TypeVar("T")
@@ -104,10 +106,14 @@ def _config(policy: str = "placeholder", **extra: object) -> KvCacheConfig:
 
 
 def _manager(
-    blocks: dict[int, int], max_seq_len: int, policy: str, max_batch: int
+    blocks: dict[int, int], max_seq_len: int, policy: str, max_batch: int, lend: bool = False
 ) -> KVCacheManager:
     return KVCacheManager.from_blocks(
-        _model(), _config(policy), blocks, max_seq_len=max_seq_len, max_batch_size=max_batch
+        _model(),
+        _config(policy, lend_free_memory=lend),
+        blocks,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch,
     )
 
 
@@ -198,9 +204,10 @@ def mean_seq_len(reqs: list[Req]) -> int:
 def split_blocks(
     reqs: list[Req], max_seq_len: int, how: str, batched_tokens: int
 ) -> dict[int, int]:
-    """The 20,000 blocks per window: ``equal``, ``auto-old`` or ``auto``."""
+    """The 20,000 blocks per window: ``equal`` (also the initial split of ``equal+lend``),
+    ``auto-old`` or ``auto``."""
     total = TOTAL_BLOCKS
-    if how == "equal":
+    if how in ("equal", "equal+lend"):
         return {SWA: total // 2, max_seq_len: total - total // 2}
     length = mean_seq_len(reqs)
     if how == "auto-old":
@@ -294,15 +301,16 @@ class _Timed:
     def end_step(self) -> None:
         """``refresh_blocks``, then the referenced blocks per window (not timed)."""
         self(self.m.refresh_blocks)
-        for w, (primary, _) in self.m.blocks_per_window.items():
-            live = primary - self.m.get_num_free_blocks(w)
+        for w in self.m.window_sizes:
+            live = self.m.get_num_used_blocks(w)
             self.res.peak_live[w] = max(self.res.peak_live.get(w, 0), live)
         self.res.steps += 1
 
     def fits(self, tokens: np.ndarray | PreparedPrompt, prefill: int | None) -> bool:
-        """Whether ``add_sequence(tokens, prefill=prefill)`` finds the blocks now."""
+        """Whether ``add_sequence(tokens, prefill=prefill)`` finds the blocks now (every
+        window at once: under lending the windows compete for the same free memory)."""
         need = self(self.m.get_num_blocks_to_allocate, tokens, prefill=prefill)
-        return all(n <= self(self.m.get_num_free_blocks, w) for w, n in need.items())
+        return self(self.m.can_allocate, need)
 
 
 def _finish(m: KVCacheManager, res: ReplayResult, wall0: float) -> ReplayResult:
@@ -313,10 +321,10 @@ def _finish(m: KVCacheManager, res: ReplayResult, wall0: float) -> ReplayResult:
 
 
 def replay_whole(
-    reqs: list[Req], blocks: dict[int, int], max_seq_len: int, policy: str
+    reqs: list[Req], blocks: dict[int, int], max_seq_len: int, policy: str, lend: bool = False
 ) -> ReplayResult:
     """Today's replay: whole prompts at admission, no token budget (see the module doc)."""
-    m = _manager(blocks, max_seq_len, policy, MAX_BATCH)
+    m = _manager(blocks, max_seq_len, policy, MAX_BATCH, lend)
     res = ReplayResult()
     call = _Timed(m, res)
     queue = deque(reqs)
@@ -379,8 +387,9 @@ class ChunkedReplay:
         policy: str,
         chunk: int,
         batched_tokens: int,
+        lend: bool = False,
     ) -> None:
-        self.m = _manager(blocks, max_seq_len, policy, MAX_BATCH)
+        self.m = _manager(blocks, max_seq_len, policy, MAX_BATCH, lend)
         self.res = ReplayResult()
         self.call = _Timed(self.m, self.res)
         self.chunk = chunk
@@ -486,14 +495,16 @@ def run_replay(
     policy: str,
     chunk: int | None,
     batched_tokens: int,
+    lend: bool = False,
 ) -> ReplayResult:
-    """One replay from a fresh state: whole prompts (``chunk=None``) or chunked prefill."""
+    """One replay from a fresh state: whole prompts (``chunk=None``) or chunked prefill;
+    ``lend``: the windows lend each other memory (``lend_free_memory``)."""
     for r in reqs:
         r.generated = []
         r.admissions = 0
     if chunk is None:
-        return replay_whole(reqs, blocks, max_seq_len, policy)
-    return ChunkedReplay(reqs, blocks, max_seq_len, policy, chunk, batched_tokens).run()
+        return replay_whole(reqs, blocks, max_seq_len, policy, lend)
+    return ChunkedReplay(reqs, blocks, max_seq_len, policy, chunk, batched_tokens, lend).run()
 
 
 # ----------------------------------------------------------------------------- output
@@ -513,7 +524,9 @@ def _print_replays(
             blocks = split_blocks(reqs, max_seq_len, how, batched_tokens)
             split = f"{how} {blocks[SWA]:,}/{blocks[max_seq_len]:,}"
             for policy in POLICIES:
-                res = run_replay(reqs, blocks, max_seq_len, policy, chunk, batched_tokens)
+                res = run_replay(
+                    reqs, blocks, max_seq_len, policy, chunk, batched_tokens, how == "equal+lend"
+                )
                 print(
                     f"  {label:<11}{split:<22}{policy:<18}{res.manager_s:>10.2f}"
                     f"{res.decode_ns:>15.1f}{res.steps:>8,}{res.preemptions:>9,}"

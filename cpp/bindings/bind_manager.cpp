@@ -63,6 +63,8 @@ constexpr char kOffloadMinPriority[] = "secondary_offload_min_priority";
 constexpr char kEventBufferMaxSize[] = "event_buffer_max_size";
 constexpr char kDiskBlocksKey[] = "disk_blocks_per_window window";
 constexpr char kDiskBlocksCount[] = "disk_blocks_per_window count";
+constexpr char kNeedWindow[] = "blocks window";
+constexpr char kNeedCount[] = "blocks count";
 
 using RequestId = Int<SeqId, kRequestId, 0>;  // API: 0 <= id < 2**63
 using AnyRequestId = Int<SeqId, kRequestId>;  // has_sequence: a negative id is simply not there
@@ -102,6 +104,7 @@ using MaxDraftTokens = Int<std::int32_t, kMaxDraftTokens, 0>;
 using OffloadMinPriority = Int<int, kOffloadMinPriority, kMinPriority, kMaxPriority>;
 using EventBufferMaxSize = Int<std::size_t, kEventBufferMaxSize>;
 using DiskBlocksPerWindow = std::map<Int<WindowSize, kDiskBlocksKey, 1>, Int<std::int32_t, kDiskBlocksCount, 0>>;
+using BlocksNeeded = std::map<Int<WindowSize, kNeedWindow, 1>, Int<std::int32_t, kNeedCount>>;
 
 template <typename T, const char* Name, T Lo, T Hi>
 std::optional<T> Unwrap(const std::optional<Int<T, Name, Lo, Hi>>& arg) {
@@ -476,6 +479,8 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["reused_blocks_per_window_size"] = s.reused_blocks_per_window_size;
   d["missed_blocks_per_window_size"] = s.missed_blocks_per_window_size;
   d["num_cached_nodes"] = s.num_cached_nodes;
+  d["lent_slabs"] = s.lent_slabs;
+  d["num_owned_blocks_per_window_size"] = s.num_owned_blocks_per_window_size;
   return d;
 }
 
@@ -495,7 +500,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
     EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy,
     const std::vector<LayerHeadDim>& head_dims, const std::vector<std::string>& dtypes, bool protect_reused_blocks,
-    const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir) {
+    const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir, bool lend_free_memory) {
   ModelSpec model;
   model.num_layers = num_layers;
   model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
@@ -524,6 +529,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
   config.protect_hit_blocks = protect_reused_blocks;
   for (const auto& [w, count] : disk_blocks_per_window) config.disk_blocks_per_window[w] = count;
   config.disk_cache_dir = disk_cache_dir;
+  config.lend_free_memory = lend_free_memory;
   pybind11::gil_scoped_release release;
   return std::make_unique<KVCacheManager>(model, config);
 }
@@ -602,7 +608,8 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("event_buffer_max_size") = 0, pybind11::arg("swa_reuse_policy") = "placeholder",
           pybind11::arg("head_dims") = std::vector<LayerHeadDim>{}, pybind11::arg("dtypes") = std::vector<std::string>{},
           pybind11::arg("protect_reused_blocks") = true,
-          pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "");
+          pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "",
+          pybind11::arg("lend_free_memory") = false);
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)
@@ -634,6 +641,7 @@ void BindManager(pybind11::module_& m) {
               d["head_dim"] = p.head_dim;
               d["dtype"] = DTypeName(p.dtype);
               d["block_bytes"] = p.block_bytes;
+              d["block_stride"] = p.block_stride;
               d["num_primary_blocks"] = p.num_primary;
               d["num_secondary_blocks"] = p.num_secondary;
               d["primary_ptr"] = p.primary_ptr;
@@ -864,6 +872,31 @@ void BindManager(pybind11::module_& m) {
           },
           pybind11::arg("window_size") = pybind11::none(),
           "Primary blocks that can be handed out now; without window_size the minimum over windows.")
+      .def(
+          "can_allocate",
+          [](const M& self, const pybind11::dict& blocks) {
+            std::map<WindowSize, std::int32_t> need;
+            for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
+            return self.CanAllocate(need);
+          },
+          pybind11::arg("blocks"),
+          "Whether every window can hand out blocks[window] blocks at once now (windows not named "
+          "need none; a negative count is a credit: the window frees that many first); under "
+          "lend_free_memory the windows compete for the same lendable memory.")
+      .def(
+          "fits_when_empty",
+          [](const M& self, const pybind11::dict& blocks) {
+            std::map<WindowSize, std::int32_t> need;
+            for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
+            return self.FitsWhenEmpty(need);
+          },
+          pybind11::arg("blocks"),
+          "Whether an empty manager could hold blocks[window] blocks of every window at once.")
+      .def(
+          "get_num_used_blocks",
+          [](const M& self, const WindowSizeArg& window) { return self.GetNumUsedBlocks(window); },
+          pybind11::arg("window_size"), "Primary blocks of the window referenced by sequences or pins.")
+      .def_property_readonly("lends_free_memory", &M::lends_free_memory)
       .def("copy_block_offsets", &CopyBlockOffsets, pybind11::arg("out"), pybind11::arg("request_ids"),
            pybind11::arg("slot_offset") = 0)
       .def(

@@ -252,8 +252,10 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     arena_.backend = backend_.get();
     for (SharedPrimary& sp : shared) sp.base = static_cast<unsigned char*>(arena_.ptr);
   }
-  lend_budget_.assign(window_sizes_.size(), 0);
+  borrow_.assign(window_sizes_.size(), 0);
+  lendable_.assign(window_sizes_.size(), 0);
   batch_available_.assign(window_sizes_.size(), 0);
+  batch_counted_.assign(window_sizes_.size(), 0);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
@@ -391,7 +393,6 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
   switch (how) {
     case Handout::kFresh:
       KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
-      if (lending_ && wm.NumFreePrimary() == 0) Borrow(w);
       slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
       break;
     case Handout::kShare:
@@ -407,7 +408,6 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
-      if (lending_ && wm.NumFreePrimary() == 0) Borrow(w);
       slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
       break;
   }
@@ -415,33 +415,77 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
   return slot;
 }
 
-std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v) const {
-  // Every block the window takes itself (claim, takeover or fresh) can break one wholly free
-  // slab; what it keeps must cover its own need.
+std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
+                                      const std::vector<BlockId>* keep, bool over_calls) const {
   const WindowBlockManager& wm = *windows_[v];
-  const std::int64_t slabs = static_cast<std::int64_t>(wm.NumFreeSlabs()) - need_v;
-  const std::int64_t spare = (available_v - need_v) / wm.blocks_per_slab();
-  return std::max<std::int64_t>(0, std::min(slabs, spare));
+  const std::int32_t m = wm.blocks_per_slab();
+  std::int64_t slabs = wm.NumFreeSlabs();
+  // Over several calls the donor's own blocks may be taken before a slab is lent, each
+  // breaking at most one wholly free slab (with one block per slab it takes the slab anyway).
+  if (over_calls && m > 1) slabs -= need_v;
+  if (keep != nullptr) {  // wholly free slabs holding a kept block are not lent
+    std::vector<std::int32_t> kept;
+    for (const BlockId b : *keep) {
+      if (b == kNullBlock || !wm.IsPrimary(b) || !wm.policy().SlabListed(b / m)) continue;
+      if (std::find(kept.begin(), kept.end(), b / m) == kept.end()) kept.push_back(b / m);
+    }
+    slabs -= static_cast<std::int64_t>(kept.size());
+  }
+  return std::max<std::int64_t>(0, std::min(slabs, (available_v - need_v) / m));
 }
 
 std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
-                                        const std::vector<std::int64_t>& available) {
+                                        const std::vector<std::int64_t>& available,
+                                        const std::vector<std::vector<BlockId>>* keep) {
   std::int64_t first_short = -1;
   std::int64_t short_slabs = 0;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
+    borrow_[w] = 0;
     if (available[w] >= need[w]) continue;
     if (first_short < 0) first_short = static_cast<std::int64_t>(w);
-    if (lending_) short_slabs += CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab());
+    if (lending_) {
+      borrow_[w] = CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab());
+      short_slabs += borrow_[w];
+    }
   }
-  if (first_short < 0 || !lending_) return first_short;
+  if (first_short < 0 || !lending_) {
+    std::fill(borrow_.begin(), borrow_.end(), 0);
+    return first_short;
+  }
   std::int64_t lendable = 0;
   for (std::size_t v = 0; v < windows_.size(); ++v) {
-    lend_budget_[v] = available[v] >= need[v] ? Lendable(v, need[v], available[v]) : 0;
-    lendable += lend_budget_[v];
+    lendable_[v] =
+        borrow_[v] == 0 ? Lendable(v, need[v], available[v], keep == nullptr ? nullptr : &(*keep)[v], false) : 0;
+    lendable += lendable_[v];
   }
   if (lendable >= short_slabs) return -1;
-  std::fill(lend_budget_.begin(), lend_budget_.end(), 0);
+  std::fill(borrow_.begin(), borrow_.end(), 0);
   return first_short;
+}
+
+void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
+  displaced_.clear();
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    for (; borrow_[w] > 0; --borrow_[w]) {
+      std::size_t donor = windows_.size();
+      for (std::size_t v = 0; v < windows_.size(); ++v) {
+        if (v != w && lendable_[v] > 0 && (donor == windows_.size() || lendable_[v] > lendable_[donor])) donor = v;
+      }
+      KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " has no slab to borrow"));
+      --lendable_[donor];
+      const std::int32_t slab = windows_[donor]->LendSlab(keep == nullptr ? nullptr : &(*keep)[donor], &displaced_);
+      windows_[w]->AdoptSlab(slab);
+      ++lent_slabs_;
+    }
+  }
+  // A sequence that released a lent block out of window lost that content, as if another
+  // sequence had reclaimed it.
+  for (const SeqId displaced : displaced_) {
+    auto it = sequences_.find(displaced);
+    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a lent block is not live"));
+    it->second.valid_for_reuse = false;
+  }
+  displaced_.clear();
 }
 
 std::string KVCacheManager::LendNote(std::size_t w) const {
@@ -451,18 +495,6 @@ std::string KVCacheManager::LendNote(std::size_t w) const {
     if (v != w) blocks += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
   }
   return detail::Concat(" (counting ", blocks, " that the other windows' wholly free slabs could lend it alone)");
-}
-
-void KVCacheManager::Borrow(std::size_t w) {
-  std::size_t donor = windows_.size();
-  for (std::size_t v = 0; v < windows_.size(); ++v) {
-    if (v != w && lend_budget_[v] > 0 && (donor == windows_.size() || lend_budget_[v] > lend_budget_[donor])) donor = v;
-  }
-  KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " ran out of blocks with nothing to borrow"));
-  --lend_budget_[donor];
-  const std::int32_t slab = windows_[donor]->LendSlab(&displaced_);
-  windows_[w]->AdoptSlab(slab);
-  ++lent_slabs_;
 }
 
 void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
@@ -673,11 +705,21 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
   std::vector<std::int32_t> front;
   const std::vector<std::int32_t> need = PromptBlocksNeeded(plan, num_blocks, &front);
+  std::vector<std::vector<BlockId>> keep;
   {
     std::vector<std::int64_t> want(need.begin(), need.end());
     std::vector<std::int64_t> available(windows_.size());
     for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary();
-    const std::int64_t short_w = PlanBlocks(want, available);
+    if (lending_) {  // what this call claims or copies from is not lent
+      keep.resize(windows_.size());
+      for (std::size_t w = 0; w < windows_.size(); ++w) {
+        for (std::int32_t i = front[w]; i < full; ++i) {
+          keep[w].push_back(tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
+        }
+        if (has_partial) keep[w].push_back(plan.partial_src[w]);
+      }
+    }
+    const std::int64_t short_w = PlanBlocks(want, available, lending_ ? &keep : nullptr);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
@@ -685,7 +727,6 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
                                             " tokens reused) but has ", available[w], " free", LendNote(w)));
     }
   }
-  const LendScope lend_scope{&lend_budget_};
   Sequence& seq = sequences_[id];
   seq.id = id;
   seq.num_tokens = first;
@@ -724,6 +765,9 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
       if (src_held[w]) wm.Claim(src);
     }
   }
+  // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
+  // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
+  MoveSlabs(lending_ ? &keep : nullptr);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
   }
@@ -803,7 +847,7 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
                                             " can be freed or are free", LendNote(w)));
     }
   }
-  const LendScope lend_scope{&lend_budget_};
+  MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     ReleaseFront(seq, w, release_at);
     for (std::int32_t j = positions; j < positions + need; ++j) {
@@ -848,12 +892,10 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).
-  bool short_of_blocks = false;
-  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    std::int64_t& available = batch_available_[w];
-    available = wm.NumFreePrimary();
-    if (available >= need) continue;
+  // A window's blocks freed by this step's releases (only counted where they matter).
+  auto released = [&](std::size_t w) {
+    const WindowBlockManager& wm = *windows_[w];
+    std::int64_t freed = 0;
     shared_release_.clear();
     for (const Sequence* seq : batch_) {
       const SequenceWindow& sw = seq->windows[w];
@@ -861,7 +903,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
       for (std::int32_t j = sw.front_null; j < target; ++j) {
         const BlockId b = sw.blocks[static_cast<std::size_t>(j)];
         if (wm.RefCount(b) == 1) {
-          ++available;
+          ++freed;
         } else {
           shared_release_.push_back(b);
         }
@@ -872,10 +914,25 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     for (std::size_t i = 0; i < shared_release_.size();) {
       std::size_t j = i;
       while (j < shared_release_.size() && shared_release_[j] == shared_release_[i]) ++j;
-      if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++available;
+      if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++freed;
       i = j;
     }
+    return freed;
+  };
+  bool short_of_blocks = false;
+  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
+    std::int64_t& available = batch_available_[w];
+    available = windows_[w]->NumFreePrimary();
+    batch_counted_[w] = 0;
+    if (available >= need) continue;
+    available += released(w);
+    batch_counted_[w] = 1;
     short_of_blocks = short_of_blocks || available < need;
+  }
+  if (short_of_blocks && lending_) {  // the others lend what they keep beyond their need
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      if (!batch_counted_[w]) batch_available_[w] += released(w);
+    }
   }
   if (short_of_blocks) {
     const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), batch_available_);
@@ -886,7 +943,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
                                             LendNote(w)));
     }
   }
-  const LendScope lend_scope{&lend_budget_};
+  MoveSlabs();
   // 3. Mutate: append, release what left each sliding window, then allocate.
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = *batch_[i];
@@ -970,7 +1027,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
                                           window_sizes_[static_cast<std::size_t>(short_w)], " but no block is free",
                                           LendNote(static_cast<std::size_t>(short_w))));
   }
-  const LendScope lend_scope{&lend_budget_};
+  MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& blocks = seq.windows[w].blocks;
     for (auto j = static_cast<std::int32_t>(blocks.size()) - 1; j >= static_cast<std::int32_t>(keep); --j) {
@@ -1041,15 +1098,14 @@ bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need)
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::int64_t> want(windows_.size(), 0);
   std::vector<std::int64_t> available(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary();
   for (const auto& [window, n] : need) {
-    if (n < 0) ThrowInvalid("can_allocate: window ", window, " needs a negative number of blocks (", n, ")");
-    want[WindowIndex(window)] = n;
+    const std::size_t w = WindowIndex(window);
+    want[w] = std::max(n, 0);
+    available[w] += std::max(-n, 0);  // a credit
   }
   bool short_of_blocks = false;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    available[w] = windows_[w]->NumFreePrimary();
-    short_of_blocks = short_of_blocks || available[w] < want[w];
-  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) short_of_blocks = short_of_blocks || available[w] < want[w];
   if (!short_of_blocks) return true;
   if (!lending_) return false;
   std::int64_t short_slabs = 0;
@@ -1058,10 +1114,28 @@ bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need)
     if (available[w] < want[w]) {
       short_slabs += CeilDiv(want[w] - available[w], windows_[w]->blocks_per_slab());
     } else {
-      lendable += Lendable(w, want[w], available[w]);
+      lendable += Lendable(w, want[w], available[w], nullptr, /*over_calls=*/true);
     }
   }
   return lendable >= short_slabs;
+}
+
+bool KVCacheManager::FitsWhenEmpty(const std::map<WindowSize, std::int32_t>& need) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::int64_t slabs = 0;
+  for (const auto& [window, n] : need) {
+    const WindowBlockManager& wm = *windows_[WindowIndex(window)];
+    if (n <= 0) continue;
+    if (!lending_ && n > wm.NumOwnedPrimary()) return false;
+    if (lending_) slabs += CeilDiv(n, wm.blocks_per_slab());
+  }
+  return !lending_ || slabs <= windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
+}
+
+std::int32_t KVCacheManager::GetNumUsedBlocks(WindowSize window) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const WindowBlockManager& wm = *windows_[WindowIndex(window)];
+  return wm.NumOwnedPrimary() - wm.NumFreePrimary();
 }
 
 std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
@@ -1204,7 +1278,7 @@ void KVCacheManager::CheckInvariants() const {
       KVC_CHECK(owners == 1, detail::Concat("slab ", k, " of the shared arena has ", owners, " owners"));
     }
   }
-  for (const std::int64_t b : lend_budget_) KVC_CHECK(b == 0, "a lending budget outlived its call");
+  for (const std::int64_t b : borrow_) KVC_CHECK(b == 0, "planned slab moves outlived their call");
   CheckOwnership();
 }
 

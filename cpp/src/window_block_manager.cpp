@@ -160,12 +160,22 @@ BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int
   return b;
 }
 
-std::int32_t WindowBlockManager::LendSlab(std::vector<SeqId>* displaced) {
-  KVC_CHECK(slab_blocks_ > 0 && policy_.NumFreeSlabs() > 0,
-            detail::Concat("window ", window_, " has no wholly free slab to lend"));
+std::int32_t WindowBlockManager::LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced) {
+  KVC_CHECK(slab_blocks_ > 0, "lending needs slabs");
+  auto kept = [&](std::int32_t s) {
+    if (keep == nullptr) return false;
+    for (const BlockId b : *keep) {
+      if (b != kNullBlock && IsPrimary(b) && b / slab_blocks_ == s) return true;
+    }
+    return false;
+  };
   const BlockId victim = policy_.Peek(CacheLevel::kPrimary);
-  std::int32_t slab = victim / slab_blocks_;
-  if (!policy_.SlabListed(slab)) slab = policy_.OldestFreeSlab();
+  std::int32_t slab = victim == kNullBlock ? -1 : victim / slab_blocks_;
+  if (slab < 0 || !policy_.SlabListed(slab) || kept(slab)) {
+    slab = policy_.OldestFreeSlab();
+    while (slab >= 0 && kept(slab)) slab = policy_.NextFreeSlab(slab);
+  }
+  KVC_CHECK(slab >= 0, detail::Concat("window ", window_, " has no wholly free slab to lend"));
   const BlockId first = slab * slab_blocks_;
   for (BlockId b = first; b < first + slab_blocks_; ++b) {
     // Evicting one block may unlink (and re-queue) others of the slab below it: still free.

@@ -124,6 +124,7 @@ class KVCacheManager:
             typing.SupportsIndex, typing.SupportsIndex
         ] = {},
         disk_cache_dir: str = "",
+        lend_free_memory: bool = False,
     ) -> None: ...
     def _add_sequence(
         self,
@@ -202,6 +203,10 @@ class KVCacheManager:
         """
         Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.
         """
+    def can_allocate(self, blocks: dict) -> bool:
+        """
+        Whether every window can hand out blocks[window] blocks at once now (windows not named need none; a negative count is a credit: the window frees that many first); under lend_free_memory the windows compete for the same lendable memory.
+        """
     def check_invariants(self) -> None:
         """
         Verifies every internal invariant; raises KVCacheError describing the first violation.
@@ -209,6 +214,10 @@ class KVCacheManager:
     def copy_block_offsets(
         self, out: typing.Any, request_ids: typing.Any, slot_offset: typing.SupportsIndex = 0
     ) -> int: ...
+    def fits_when_empty(self, blocks: dict) -> bool:
+        """
+        Whether an empty manager could hold blocks[window] blocks of every window at once.
+        """
     def get_buffers(self, layer_idx: typing.SupportsIndex) -> typing.Any:
         """
         K/V memory of one layer, [primary_blocks, kv_factor, num_kv_heads, tokens_per_block, head_dim]: a numpy array on the host backend, a LayerBuffer on CUDA.
@@ -222,6 +231,10 @@ class KVCacheManager:
     def get_num_free_blocks(self, window_size: typing.SupportsIndex | None = None) -> int:
         """
         Primary blocks that can be handed out now; without window_size the minimum over windows.
+        """
+    def get_num_used_blocks(self, window_size: typing.SupportsIndex) -> int:
+        """
+        Primary blocks of the window referenced by sequences or pins.
         """
     def get_request_stats(self, request_id: typing.SupportsIndex) -> dict:
         """
@@ -277,6 +290,8 @@ class KVCacheManager:
         """
         (global pool index, index inside the pool) for every layer.
         """
+    @property
+    def lends_free_memory(self) -> bool: ...
     @property
     def max_batch_size(self) -> int: ...
     @property

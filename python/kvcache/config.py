@@ -479,6 +479,13 @@ class KvCacheConfig:
             hit is evicted only after the cached blocks of its priority that never did, so a
             stream of prompts seen once cannot flush a prefix that requests keep sharing (at
             most a tenth of a pool is protected). ``False``: plain LRU within each priority.
+        lend_free_memory: Windows lend each other memory at run time: every window's primary
+            blocks live in one shared arena cut into slabs (the least common multiple of the
+            windows' block sizes), and a window that runs out of free blocks takes a wholly
+            free slab of another window (evicting what that slab cached) instead of failing.
+            The window shares then set the initial split only. Block ids span the whole arena
+            (``pools[i]["num_primary_blocks"]``) and a window's blocks sit
+            ``pools[i]["block_stride"]`` bytes apart. ``False`` (default): fixed pools.
         expected_seq_len: Typical sequence length (prompt plus output) that the ``"auto"``
             share policy sizes the windows for; ``None`` means ``max_seq_len``. Sizing for the
             real length rather than the maximum gives sliding windows their fair share.
@@ -521,6 +528,7 @@ class KvCacheConfig:
     event_buffer_max_size: int = 0
     swa_reuse_policy: str = "placeholder"
     protect_reused_blocks: bool = True
+    lend_free_memory: bool = False
     backend: str = "auto"
     expected_seq_len: int | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -569,6 +577,7 @@ class KvCacheConfig:
             "copy_on_partial_reuse",
             "onboard_blocks",
             "protect_reused_blocks",
+            "lend_free_memory",
         ):
             _bool(name, getattr(self, name))
         _priority("secondary_offload_min_priority", self.secondary_offload_min_priority)

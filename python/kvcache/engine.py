@@ -572,7 +572,7 @@ class Engine:
             self._counters["prompt_tokens"] += r.context_len
             self._counters["reused_tokens"] += r.context_position
         for w in self._windows:
-            used = self._primary[w] - self._manager.get_num_free_blocks(w)
+            used = self._manager.get_num_used_blocks(w)
             self._peak[w] = max(self._peak[w], used)
 
         ids: list[int] = []

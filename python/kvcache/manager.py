@@ -94,7 +94,13 @@ def available_memory_bytes(backend: str) -> int:
 
 @dataclass(frozen=True)
 class KvCacheStats:
-    """Occupancy and counters. Block counts are primary blocks summed over windows."""
+    """Occupancy and counters. Block counts are primary blocks summed over windows.
+
+    ``max_num_blocks`` and ``num_owned_blocks_per_window_size`` count the blocks each window
+    owns now: with ``lend_free_memory`` they move as windows lend each other slabs
+    (``lent_slabs`` counts the moves); ``num_free_blocks_per_window_size`` counts each
+    window's own free blocks (``get_num_free_blocks`` adds what it could borrow).
+    """
 
     max_num_blocks: int
     free_num_blocks: int
@@ -112,6 +118,8 @@ class KvCacheStats:
     reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     num_cached_nodes: int = 0
+    lent_slabs: int = 0
+    num_owned_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
 
     @property
     def cache_hit_rate_per_window_size(self) -> dict[int, float]:
@@ -259,6 +267,7 @@ def _native_kwargs(
         "protect_reused_blocks": config.protect_reused_blocks,
         "disk_blocks_per_window": disk,
         "disk_cache_dir": config.disk_cache_dir or "",
+        "lend_free_memory": config.lend_free_memory,
     }
 
 

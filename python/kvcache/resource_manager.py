@@ -571,8 +571,25 @@ class KVCacheResourceManager:
         return int(self._manager.max_batch_size)
 
     def num_primary_blocks(self, window_size: int) -> int:
-        """Primary blocks of a window's pool."""
+        """Primary blocks of a window's pool (its initial blocks under ``lend_free_memory``;
+        ``manager.blocks_per_window`` has what it owns now)."""
         return self._primary[window_size]
+
+    def get_num_used_blocks(self, window_size: int) -> int:
+        """Primary blocks of a window that requests (or pins) hold now."""
+        return int(self._manager.get_num_used_blocks(window_size))
+
+    def can_allocate(self, blocks: Mapping[int, int]) -> bool:
+        """Whether every window can hand out ``blocks[window]`` blocks at once now (a
+        negative count is a credit: the window frees that many first). Per window this is
+        ``blocks[w] <= get_num_free_blocks(w)``; under ``lend_free_memory`` the windows also
+        compete for the memory they can borrow, which only this joint check sees."""
+        return bool(self._manager.can_allocate(dict(blocks)))
+
+    def fits_when_empty(self, blocks: Mapping[int, int]) -> bool:
+        """Whether the pools could hold ``blocks[window]`` blocks of every window at once if
+        nothing else held any (under ``lend_free_memory``: in the whole shared memory)."""
+        return bool(self._manager.fits_when_empty(dict(blocks)))
 
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
@@ -1249,13 +1266,21 @@ class KVCacheResourceManager:
     ) -> None:
         """Raises ``OutOfBlocksError`` unless every window holds the step's generation
         tokens and then its prefill chunks (see :meth:`get_needed_blocks_for_step`)."""
-        for w, need in zip(self._windows, self._step_total(gen, chunks), strict=True):
-            free = int(self._manager.get_num_free_blocks(w))
-            if need > free:
+        needs = dict(zip(self._windows, self._step_total(gen, chunks), strict=True))
+        if self._manager.can_allocate(needs):
+            return
+        free = {w: int(self._manager.get_num_free_blocks(w)) for w in self._windows}
+        what = f"this step's generation tokens and {len(chunks)} prefill chunk(s)"
+        for w in self._windows:
+            if needs[w] > free[w]:
                 raise OutOfBlocksError(
-                    f"prepare_resources: window {w} needs {need} free blocks for this step's "
-                    f"generation tokens and {len(chunks)} prefill chunk(s) but has {free}"
+                    f"prepare_resources: window {w} needs {needs[w]} free blocks for {what} "
+                    f"but has {free[w]}"
                 )
+        raise OutOfBlocksError(
+            f"prepare_resources: the windows need {needs} free blocks for {what}; each could "
+            f"borrow its share alone ({free} free), but not all at once"
+        )
 
     def _check_context_step(self, request: Request, seq: _SeqState) -> None:
         done = seq.kv_len >= seq.context_len

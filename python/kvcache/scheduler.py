@@ -197,11 +197,11 @@ class CapacityScheduler:
         waiting = [r for r in requests if r.state in _WAITING]
         plan, left = self._plan_running(running)
         if self._policy == "guaranteed_no_evict":
-            budget = self._reserve(running)
+            committed = self._reserve(running)
         else:
-            budget = self._fit_running(running, plan, out)
+            committed = self._fit_running(running, plan, out)
         out.batch = self._batch(plan)
-        self._admit(waiting, running, budget, left, out)
+        self._admit(waiting, running, committed, left, out)
         return out
 
     # ------------------------------------------------------------------ running requests
@@ -234,28 +234,27 @@ class CapacityScheduler:
         return size if left is None else min(size, left)
 
     def _reserve(self, running: list[Request]) -> dict[int, int]:
-        """``guaranteed_no_evict``: free blocks per window not reserved for the running
-        requests' completion (nor for the extra holdings of shared blocks)."""
+        """``guaranteed_no_evict``: blocks per window committed to the running requests'
+        completion (and to the extra holdings of shared blocks); admissions add theirs and
+        must keep the total allocatable (:meth:`KVCacheResourceManager.can_allocate`)."""
         rm = self._rm
-        windows = rm.window_sizes
-        budget = {w: rm.get_num_free_blocks(w) - rm.get_num_shared_blocks(w) for w in windows}
+        committed = {w: rm.get_num_shared_blocks(w) for w in rm.window_sizes}
         for r in running:
             for w, n in rm.get_remaining_blocks_per_window(r, chunk_size=self._chunk).items():
-                budget[w] -= n
-        return budget
+                committed[w] += n
+        return committed
 
     def _fit_running(
         self, running: list[Request], plan: list[tuple[Request, int]], out: SchedulerOutput
     ) -> dict[int, int]:
         """``max_utilization``: pauses the newest running requests until every window holds
-        the planned step; returns the free blocks per window left for admissions, less what
-        the prompts being prefilled still need until their last chunk."""
+        the planned step; returns the blocks per window committed to it and to what the
+        prompts being prefilled still need until their last chunk (admissions add theirs)."""
         rm = self._rm
         windows = rm.window_sizes
         while True:
             total = rm.get_needed_blocks_for_step(self._batch(plan))
-            free = {w: rm.get_num_free_blocks(w) for w in windows}
-            if not running or all(total[w] <= free[w] for w in windows):
+            if not running or rm.can_allocate(total):
                 break
             victim = running.pop()  # the newest running request
             plan[:] = [(r, t) for r, t in plan if r is not victim]
@@ -272,7 +271,7 @@ class CapacityScheduler:
                 for w in windows:
                     reserve[w] += rest[w]
             total = {w: max(total[w], reserve[w]) for w in windows}
-        return {w: free[w] - total[w] for w in windows}
+        return total
 
     @staticmethod
     def _batch(plan: list[tuple[Request, int]]) -> ScheduledBatch:
@@ -290,12 +289,13 @@ class CapacityScheduler:
         self,
         waiting: list[Request],
         running: list[Request],
-        budget: dict[int, int],
+        committed: dict[int, int],
         left: int | None,
         out: SchedulerOutput,
     ) -> None:
         """Admits waiting requests in order while the token budget, the batch size and
-        every window allow; the first that does not fit blocks the rest."""
+        the windows allow (``committed`` plus the request's blocks stay allocatable); the
+        first that does not fit blocks the rest."""
         rm = self._rm
         windows = rm.window_sizes
         guaranteed = self._policy == "guaranteed_no_evict"
@@ -324,9 +324,9 @@ class CapacityScheduler:
                 need = rm.get_remaining_blocks_per_window(
                     r, chunk_size=self._chunk, use_reuse=not admitted, prefill_only=True
                 )
-            if all(need[w] <= budget[w] for w in windows):
-                for w in windows:
-                    budget[w] -= need[w]
+            wanted = {w: committed[w] + need[w] for w in windows}
+            if rm.can_allocate(wanted):
+                committed.update(wanted)
                 out.batch.add_context(r, size)
                 admitted += 1
                 left = None if left is None else max(0, left - size)
@@ -359,9 +359,7 @@ class CapacityScheduler:
             return False
         rm = self._rm
         alone = rm.get_blocks_to_run_alone(r, chunk_size=self._chunk)
-        if r.max_kv_tokens > rm.max_seq_len or any(
-            n > rm.num_primary_blocks(w) for w, n in alone.items()
-        ):
+        if r.max_kv_tokens > rm.max_seq_len or not rm.fits_when_empty(alone):
             return True
         self._fits_checked[r.request_id] = r.context_len
         return False

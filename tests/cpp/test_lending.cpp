@@ -87,33 +87,34 @@ TEST(LendingTest, JointShortageFailsWithNothingChanged) {
 }
 
 TEST(LendingTest, LentCachedBlockLeavesTheTreeAndItsReleaserBecomesInvalid) {
-  ManagerConfig c = LendConfig({{4, 6}, {16, 4}});  // window 4: ids 0-5; full: ids 6-9
+  // Window 5 (not a multiple of the block: a decode step can release and allocate at once):
+  // ids 0-2; full attention: ids 3-5.
+  ManagerConfig c = LendConfig({{5, 3}, {16, 3}}, {5, 0});
   c.enable_block_reuse = true;
   c.swa_reuse_policy = SwaReusePolicy::kInvalidate;
   KVCacheManager m(testing::Model(2), c);
-  auto p = Iota(8);
-  m.AddSequence(1, p.data(), p.size());
-  EXPECT_EQ(m.StoreContextBlocks(1), 1);  // block 0 of window 4 and block 6 of full are cached
-  for (const TokenId t : {90, 91, 92, 93, 94}) {
-    const SeqId id = 1;
-    m.AddTokens(&id, &t, 1);
-  }
-  // Window 4 released block 0 (cached) at token 9 and block 1 at token 12, out of window.
-  ASSERT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 2, 3}));
-  ASSERT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{6, 7, 8, 9}));
-  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);
-  EXPECT_TRUE(m.IsSequenceValidForReuse(1));
-  // Request 2: window 4 takes its scratch blocks 4 and 5; full has nothing free and borrows
-  // window 4's next victims: block 1 (scratch), then block 0 (cached, released by request 1).
-  auto q = Iota(8, 300);
-  m.AddSequence(2, q.data(), q.size());
-  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{4, 5}));
-  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{1, 0}));
-  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 4}, {16, 6}}));
-  EXPECT_TRUE(m.CachedBlockHashes(4).empty());      // the lent block's content is gone
-  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);     // full's own cached block stays
-  EXPECT_FALSE(m.IsSequenceValidForReuse(1));        // its record of block 0 is stale
-  EXPECT_EQ(m.GetReusablePrefixLength(p.data(), p.size(), {}), 0);  // window 4 lost the prefix
+  auto p = Iota(5);
+  m.AddSequence(1, p.data(), p.size());  // window 5: 0 1; full: 3 4
+  EXPECT_EQ(m.StoreContextBlocks(1), 1);  // block 0 of window 5 and block 3 of full are cached
+  const SeqId id = 1;
+  for (const TokenId t : {90, 91, 92, 93, 94, 95, 96}) m.AddTokens(&id, &t, 1);
+  // Token 9 released cached block 0 out of window (request 1 keeps a record of it).
+  ASSERT_EQ(m.GetCacheBlockIds(1, 5), (std::vector<BlockId>{N, 1, 2}));
+  ASSERT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{3, 4, 5}));
+  EXPECT_EQ(m.CachedBlockHashes(5).size(), 1u);
+  EXPECT_EQ(m.GetNumFreeBlocks(16), 1);  // nothing of its own: window 5's cached block 0
+  // Token 13 needs a block in each window. Full has none and first borrows window 5's next
+  // victim, cached block 0 (window 5's scratch queue is empty; the block 1 it releases in this
+  // step covers its own need); window 5 then releases block 1 and takes it again.
+  const TokenId t = 97;
+  m.AddTokens(&id, &t, 1);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 5), (std::vector<BlockId>{N, N, 2, 1}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{3, 4, 5, 0}));
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{5, 2}, {16, 4}}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  EXPECT_TRUE(m.CachedBlockHashes(5).empty());    // the lent block's content is gone
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);  // full's own cached block stays
+  EXPECT_FALSE(m.IsSequenceValidForReuse(1));     // its record of block 0 is stale
   m.CheckInvariants();
 }
 
@@ -135,15 +136,15 @@ TEST(LendingTest, UnequalBlockSizesMoveWholeSlabs) {
   m.AddSequence(1, t.data(), t.size(), {}, /*prefill=*/8);
   EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{0, 1}));
   EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9}));
-  // Next chunk: window 4 releases block 0 and takes 2; full has nothing free and borrows
-  // window 4's next wholly free slab, 3: full blocks 6 and 7.
+  // Next chunk: full has nothing free and first borrows window 4's next victim, slab 2 (full
+  // blocks 4 and 5); then window 4 releases block 0 and takes 3.
   m.Prefill(1, 4);
-  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, 1, 2}));
-  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 6}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, 1, 3}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 4}));
   EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 3}, {16, 4}}));
   m.Prefill(1, 4);  // full uses the other half of the slab; window 4 reuses block 0
-  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 2, 0}));
-  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 6, 7}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{N, N, 3, 0}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{8, 9, 4, 5}));
   EXPECT_EQ(m.GetStats().lent_slabs, 1);
   EXPECT_EQ(m.GetNumFreeBlocks(4), 1);   // block 1; full has no wholly free slab
   EXPECT_EQ(m.GetNumFreeBlocks(16), 2);  // window 4's slab 1

@@ -119,6 +119,7 @@ def test_kv_defaults_match_api() -> None:
         "event_buffer_max_size": 0,
         "swa_reuse_policy": "placeholder",
         "protect_reused_blocks": True,
+        "lend_free_memory": False,
         "backend": "auto",
         "expected_seq_len": None,
         "max_num_batched_tokens": 8192,

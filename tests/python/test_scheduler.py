@@ -21,11 +21,13 @@ def make_rm(
     max_seq_len: int = 64,
     max_batch_size: int = 8,
     max_draft_tokens: int = 0,
+    lend_free_memory: bool = False,
 ) -> KVCacheResourceManager:
     config = KvCacheConfig(
         tokens_per_block=tpb,
         max_attention_window=pattern if pattern is not None else [8, None],
         backend="virtual",
+        lend_free_memory=lend_free_memory,
     )
     return KVCacheResourceManager.from_blocks(
         MODEL,
@@ -271,6 +273,7 @@ def _long_run(
     pattern: list[int | None] | None = None,
     blocks: dict[int, int] | None = None,
     tpb: int = 4,
+    lend_free_memory: bool = False,
     **options: int | bool | None,
 ) -> Engine:
     rng = random.Random(seed)
@@ -280,6 +283,7 @@ def _long_run(
         pattern=pattern,
         max_batch_size=12,
         max_draft_tokens=draft_tokens,
+        lend_free_memory=lend_free_memory,
     )
     engine = Engine(
         rm, CapacityScheduler(rm, policy, **options), draft_tokens=draft_tokens, seed=seed + 1
@@ -302,11 +306,15 @@ def _long_run(
         engine.step()
         rm.manager.check_invariants()
         for w in rm.window_sizes:
-            assert 0 <= rm.get_num_free_blocks(w) <= rm.num_primary_blocks(w)
+            assert 0 <= rm.get_num_used_blocks(w) <= rm.manager.blocks_per_window[w][0]
+            if not lend_free_memory:
+                assert rm.get_num_free_blocks(w) <= rm.num_primary_blocks(w)
         steps += 1
         assert steps < 100_000
     for w in rm.window_sizes:
-        assert rm.get_num_free_blocks(w) == rm.num_primary_blocks(w)
+        assert rm.get_num_used_blocks(w) == 0
+        if not lend_free_memory:
+            assert rm.get_num_free_blocks(w) == rm.num_primary_blocks(w)
     assert rm.manager.num_sequences == 0
     for r in engine.finished:
         assert r.generated == engine.outputs[r.request_id]
@@ -340,6 +348,21 @@ def test_long_run_three_windows_unaligned() -> None:
         blocks={5: 20, 10: 24, 64: 40},
     )
     assert len(engine.finished) == 600
+
+
+@pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
+def test_long_run_with_lending(policy: str) -> None:
+    """Windows that lend each other memory: the sliding window's 12 blocks could not hold a
+    33-token prompt (9 blocks) plus its neighbours for long, full attention's 52 blocks have
+    room; every step stays allocatable, guaranteed_no_evict never pauses, every block is
+    free at the end, and memory really moved."""
+    engine = _long_run(
+        policy, num_requests=600, seed=5, blocks={8: 12, 64: 52}, lend_free_memory=True
+    )
+    assert len(engine.finished) == 600
+    assert engine.rm.manager.get_kv_cache_stats().lent_slabs > 0
+    if policy == "guaranteed_no_evict":
+        assert engine.paused_events == 0
 
 
 def test_guaranteed_no_evict_rejects_what_exceeds_the_pool() -> None:

@@ -76,6 +76,8 @@ class EvictionPolicy {
   std::int32_t NumFreeSlabs() const { return num_free_slabs_; }
   /// The slab that has had every block free the longest, or -1.
   std::int32_t OldestFreeSlab() const { return slab_head_; }
+  /// The wholly free slab after `s` in that order, or -1.
+  std::int32_t NextFreeSlab(std::int32_t s) const { return slab_next_[static_cast<std::size_t>(s)]; }
   /// Free blocks of slab `s`.
   std::int32_t SlabFree(std::int32_t s) const { return slab_free_[static_cast<std::size_t>(s)]; }
   /// True if slab `s` is in the list of slabs with every block free.

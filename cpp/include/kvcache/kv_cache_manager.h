@@ -273,9 +273,17 @@ class KVCacheManager {
   /// Minimum of GetNumFreeBlocks over all windows.
   std::int32_t GetMinNumFreeBlocks() const;
   /// Whether every window can hand out `need[window]` blocks at once now (windows not named need
-  /// none): GetNumFreeBlocks per window, except that under lend_free_memory the windows compete
-  /// for the same lendable slabs.
+  /// none; a negative entry is a credit: the window frees that many blocks first, as a decode
+  /// step's releases do): GetNumFreeBlocks per window, except that under lend_free_memory the
+  /// windows compete for the same lendable slabs. Meant for a whole engine step (several
+  /// calls): a donor with several blocks per slab is assumed to take its own blocks first,
+  /// each breaking one wholly free slab.
   bool CanAllocate(const std::map<WindowSize, std::int32_t>& need) const;
+  /// Whether an empty manager could hold `need[window]` blocks of every window at once: each
+  /// window's pool, or under lend_free_memory the whole arena in whole slabs.
+  bool FitsWhenEmpty(const std::map<WindowSize, std::int32_t>& need) const;
+  /// Primary blocks of `window` referenced by sequences or pins.
+  std::int32_t GetNumUsedBlocks(WindowSize window) const;
 
   /// Fills `out` (int32, C-contiguous `[num_pools, rows, kv_factor, width]`) for a batch.
   /// Row `slot_offset + i` belongs to ids[i]; the entry of pool p, field k (0 = K, 1 = V) and
@@ -375,23 +383,26 @@ class KVCacheManager {
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
   /// The blocks check of a mutating call: window w must hand out need[w] blocks and has
-  /// available[w] (free now plus what the call releases first). Without lending: the first
-  /// window short of blocks, or -1. With lending, windows short of blocks may borrow the other
-  /// windows' wholly free slabs: on success lend_budget_ holds what each window may lend during
-  /// the call (Borrow takes from it; a LendScope clears it).
-  std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available);
-  /// What window v could lend now while keeping `need_v` blocks of `available_v`, in slabs.
-  std::int64_t Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v) const;
+  /// available[w] (free now plus what the call releases before it allocates). Returns the first
+  /// window short of blocks, or -1. Under lending a short window may borrow wholly free slabs of
+  /// the others: a donor lends only slabs wholly free now that hold none of the blocks in
+  /// (*keep)[donor] (blocks the call claims or reads), and keeps enough for its own need. On
+  /// success borrow_ and lendable_ hold the plan, which MoveSlabs carries out before the call
+  /// changes anything else.
+  std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
+                          const std::vector<std::vector<BlockId>>* keep = nullptr);
+  /// What window v could lend now while keeping `need_v` of its `available_v` blocks, in slabs;
+  /// `over_calls`: the blocks are taken by several calls (CanAllocate for a whole step), so the
+  /// donor's own blocks may be taken before the slabs move.
+  std::int64_t Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
+                        const std::vector<BlockId>* keep, bool over_calls) const;
+  /// Moves the slabs PlanBlocks planned, each from the donor that can lend the most; sequences
+  /// that had released a lent block out of window become invalid for reuse.
+  void MoveSlabs(const std::vector<std::vector<BlockId>>* keep = nullptr);
   /// " (with N more that other windows can lend)" under lending, else "".
   std::string LendNote(std::size_t w) const;
   /// GetNumFreeBlocks of window index w (the lock held).
   std::int32_t FreeBlocksLocked(std::size_t w) const;
-  /// Window w is out of free blocks: moves a slab from the donor with the most budget left.
-  void Borrow(std::size_t w);
-  struct LendScope {
-    std::vector<std::int64_t>* budget;
-    ~LendScope() { std::fill(budget->begin(), budget->end(), 0); }
-  };
   std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
                           std::vector<std::vector<BlockId>>* pinned);
   /// Pinned block lists per window index, keyed by window size.
@@ -424,7 +435,8 @@ class KVCacheManager {
   Arena arena_;  // declared before windows_: freed after them
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
   bool lending_ = false;
-  std::vector<std::int64_t> lend_budget_;  // per window, during one mutating call
+  std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
+  std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
   std::int64_t lent_slabs_ = 0;
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
@@ -443,6 +455,7 @@ class KVCacheManager {
   std::vector<Sequence*> batch_;
   std::vector<BlockId> shared_release_;
   std::vector<std::int64_t> batch_available_;  // per window: blocks AddTokens can hand out
+  std::vector<char> batch_counted_;            // per window: batch_available_ counts releases
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
   mutable std::mutex mu_;
 };

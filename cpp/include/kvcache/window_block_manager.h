@@ -127,12 +127,12 @@ class WindowBlockManager {
   bool Owns(BlockId b) const { return slab_blocks_ == 0 || slab_owned_[static_cast<std::size_t>(b / slab_blocks_)] != 0; }
   /// Owned slabs whose blocks are all free (what the window can lend now).
   std::int32_t NumFreeSlabs() const { return policy_.NumFreeSlabs(); }
-  /// Gives up one owned slab whose blocks are all free: the slab of the next eviction victim if
-  /// it is wholly free, else the one wholly free the longest. Each of its blocks ends its cached
-  /// identity (offloaded when allowed, else dropped from the tree) and gets a new generation;
-  /// live sequences that had released one out of window are appended to *displaced. Returns
-  /// the slab. Precondition: NumFreeSlabs() > 0.
-  std::int32_t LendSlab(std::vector<SeqId>* displaced);
+  /// Gives up one owned slab whose blocks are all free and hold none of `keep` (may be null):
+  /// the slab of the next eviction victim if it qualifies, else the one wholly free the longest
+  /// that does. Each of its blocks ends its cached identity (offloaded when allowed, else
+  /// dropped from the tree) and gets a new generation; live sequences that had released one
+  /// out of window are appended to *displaced. Returns the slab. Precondition: one qualifies.
+  std::int32_t LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced);
   /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
   /// queue.
   void AdoptSlab(std::int32_t slab);

@@ -399,7 +399,7 @@ def simulate(
         waiting = sum(1 for r in active if r.state in (RequestState.WAITING, RequestState.PAUSED))
         series["waiting"].append(waiting)
         for w in windows:
-            series[f"used_{w}"].append(primary[w] - rm.get_num_free_blocks(w))
+            series[f"used_{w}"].append(rm.get_num_used_blocks(w))
         if done or out.rejected:
             active = [
                 r for r in active if r.state not in (RequestState.FINISHED, RequestState.FAILED)
