@@ -514,7 +514,7 @@ def _print_replays(
     reqs: list[Req], max_seq_len: int, chunks: list[int | None], batched_tokens: int
 ) -> None:
     print(
-        f"  {'prefill':<11}{'split (512 / full)':<22}{'swa_reuse_policy':<18}{'manager s':>10}"
+        f"  {'prefill':<11}{'split (512 / full)':<27}{'swa_reuse_policy':<18}{'manager s':>10}"
         f"{'decode ns/seq':>15}{'steps':>8}{'preempt':>9}{'deferred':>10}{'hit rate':>10}"
         f"{'hit 1st':>9}{'reused tokens':>15}"
     )
@@ -528,7 +528,7 @@ def _print_replays(
                     reqs, blocks, max_seq_len, policy, chunk, batched_tokens, how == "equal+lend"
                 )
                 print(
-                    f"  {label:<11}{split:<22}{policy:<18}{res.manager_s:>10.2f}"
+                    f"  {label:<11}{split:<27}{policy:<18}{res.manager_s:>10.2f}"
                     f"{res.decode_ns:>15.1f}{res.steps:>8,}{res.preemptions:>9,}"
                     f"{res.deferred:>10,}{res.hit_rate:>10.1%}{res.first_hit_rate:>9.1%}"
                     f"{res.reused_tokens:>15,}"

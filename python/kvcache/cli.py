@@ -688,6 +688,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "that served a reuse hit (protect_reused_blocks=False), to show the difference",
     )
     p_sim.add_argument(
+        "--lend-free-memory",
+        action="store_true",
+        help="let the windows lend each other free memory at run time (lend_free_memory=True): "
+        "the shares set the initial split only",
+    )
+    p_sim.add_argument(
         "--host-cache",
         type=_size,
         default=None,

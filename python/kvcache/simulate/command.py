@@ -208,6 +208,7 @@ def run_cli(args: argparse.Namespace) -> int:
         "enable_block_reuse": not args.no_reuse,
         "swa_reuse_policy": args.swa_reuse_policy,
         "protect_reused_blocks": not args.plain_lru,
+        "lend_free_memory": args.lend_free_memory,
         "draft_tokens": args.draft_tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
         "chunked_prefill": not args.no_chunked_prefill,

@@ -104,6 +104,7 @@ def _setup(
     protect_reused_blocks: bool = True,
     draft_tokens: int = 0,
     disk_cache_bytes: int = 0,
+    lend_free_memory: bool = False,
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
@@ -120,6 +121,7 @@ def _setup(
         protect_reused_blocks=protect_reused_blocks,
         host_cache_size=host_cache_bytes,
         disk_cache_size=disk_cache_bytes,
+        lend_free_memory=lend_free_memory,
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
     share_text = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
@@ -217,6 +219,7 @@ def simulate(
     enable_block_reuse: bool = True,
     swa_reuse_policy: str = "placeholder",
     protect_reused_blocks: bool = True,
+    lend_free_memory: bool = False,
     host_cache_bytes: int = 0,
     expected_seq_len: int | None = None,
     draft_tokens: int = 0,
@@ -251,6 +254,8 @@ def simulate(
             request reclaimed.
         protect_reused_blocks: Segmented LRU (the config's ``protect_reused_blocks``);
             ``False`` evicts in plain LRU order per priority.
+        lend_free_memory: The windows lend each other free memory at run time (the
+            config's ``lend_free_memory``): the shares set the initial split only.
         host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
             config's ``host_cache_size``; 0: none).
         disk_cache_bytes: Disk tier below the host cache (the config's
@@ -281,6 +286,7 @@ def simulate(
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
         protect_reused_blocks=protect_reused_blocks,
+        lend_free_memory=lend_free_memory,
         host_cache_bytes=host_cache_bytes,
         expected_seq_len=expected_seq_len,
         draft_tokens=draft_tokens,
@@ -465,6 +471,8 @@ def simulate(
         },
         swa_reuse_policy=swa_reuse_policy,
         protect_reused_blocks=protect_reused_blocks,
+        lend_free_memory=bool(manager.lends_free_memory),
+        lent_slabs=int(stats.lent_slabs),
         host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
         disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
         secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},

@@ -83,6 +83,9 @@ class SimulationReport:
     cache_hit_rate_per_window: dict[int, float] = field(default_factory=dict)
     swa_reuse_policy: str = "placeholder"
     protect_reused_blocks: bool = True
+    #: The windows lent each other free memory (``lend_free_memory``), and the slabs moved.
+    lend_free_memory: bool = False
+    lent_slabs: int = 0
     host_cache_bytes: int = 0
     disk_cache_bytes: int = 0
     #: The hit rate of the same run without the disk tier (``kvcache simulate --disk-cache``).
@@ -139,7 +142,14 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
     """
     lines = [
         f"kvcache simulate: {r.model}, {format_size(r.memory_bytes)} primary KV memory, "
-        f"{r.shares} window shares, {r.scheduler} scheduling, virtual backend",
+        f"{r.shares} window shares"
+        + (
+            f" (windows lend free memory: {r.lent_slabs:,} slab{'' if r.lent_slabs == 1 else 's'}"
+            " moved; blocks below are the initial split)"
+            if r.lend_free_memory
+            else ""
+        )
+        + f", {r.scheduler} scheduling, virtual backend",
         *([f"  workload: {workload}"] if workload else []),
         f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len:,}, "
         f"tokens_per_block {r.tokens_per_block}"
