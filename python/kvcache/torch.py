@@ -114,7 +114,9 @@ def pool_view(manager: KVCacheManager, pool: int) -> torch.Tensor:
     Returns:
         ``[primary_blocks, layers_in_pool, kv_factor, num_kv_heads, tokens_per_block,
         head_dim]`` in the cache dtype; ``[:, i]`` equals :func:`layer_view` of the pool's
-        ``i``-th layer.
+        ``i``-th layer. Blocks are ``pools[pool]["block_stride"]`` bytes apart (under
+        ``lend_free_memory`` every window's pools start at the shared arena and overlap as
+        views; the blocks a window owns never do).
 
     Raises:
         ValueError: The ``virtual`` backend or ``pool`` out of range.
@@ -132,8 +134,11 @@ def pool_view(manager: KVCacheManager, pool: int) -> torch.Tensor:
     if int(info["block_bytes"]) != layers * kv_factor * heads * tpb * dim * item:
         raise ValueError(f"pool {pool} does not have the documented dense layout")
     strides = [item]
-    for n in reversed(shape[1:]):
+    for n in reversed(shape[2:]):
         strides.insert(0, strides[0] * n)
+    # Blocks sit block_stride bytes apart: block_bytes, or more when the windows share memory
+    # (lend_free_memory interleaves a window's pools in one arena).
+    strides.insert(0, int(info["block_stride"]))
     iface: dict[str, Any] = {
         "shape": shape,
         "typestr": _RAW_TYPESTR[item],
@@ -180,7 +185,9 @@ def block_tables(
     offsets = block_offsets(manager, request_ids, device=device).to(torch.int64)
     out = []
     for p, info in enumerate(manager.pools):
-        per_block = len(info["layers"]) * manager.kv_factor
+        # K/V slabs from one block to the next (layers x kv_factor unless lending).
+        slabs = len(info["layers"]) * manager.kv_factor
+        per_block = int(info["block_stride"]) * slabs // int(info["block_bytes"])
         k = offsets[p, :, 0]
         out.append(torch.where(k >= 0, torch.div(k, per_block, rounding_mode="floor"), -1))
     return out

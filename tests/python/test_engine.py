@@ -88,8 +88,13 @@ def _check(family: str, engine: Engine, prompts: list[list[int]], new: int = NEW
 def _engine(family: str, **kwargs: Any) -> Engine:
     reuse = kwargs.pop("reuse", True)
     policy = kwargs.pop("swa_reuse_policy", "placeholder")
+    lend = kwargs.pop("lend_free_memory", False)
     config = KvCacheConfig(
-        tokens_per_block=TPB, backend="host", enable_block_reuse=reuse, swa_reuse_policy=policy
+        tokens_per_block=TPB,
+        backend="host",
+        enable_block_reuse=reuse,
+        swa_reuse_policy=policy,
+        lend_free_memory=lend,
     )
     kwargs.setdefault("max_seq_len", 64)
     kwargs.setdefault("max_batch_size", 8)
@@ -182,6 +187,30 @@ def test_small_pools_release_reclaim_offload_onboard_and_preempt(family: str) ->
     assert stats.preemptions > 0
     assert stats.cache.offloaded_blocks > 0 and stats.cache.onboarded_blocks > 0
     assert stats.reused_tokens > 0  # the resumed requests found part of their context cached
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_windows_that_lend_memory_match_hf_generate(family: str) -> None:
+    """lend_free_memory: every window's blocks in one arena (views with the arena's block
+    stride, offsets in its slabs); full attention starts with too few blocks for the batch and
+    borrows the sliding window's free memory. NaN-filled pools: token for token."""
+    new = 24
+    prompts = _prompts(8, 4, 3, 8)
+    full = max(engine_windows(family) or [WINDOW])
+    blocks: dict[int, int | tuple[int, int]] = {WINDOW: 24}
+    if full != WINDOW:
+        blocks[full] = 8
+    engine = _engine(family, blocks_per_window=blocks, max_chunk_size=8, lend_free_memory=True)
+    for pool in pool_views(engine.manager):
+        pool.fill_(float("nan"))
+    _check(family, engine, prompts, new)
+    stats = engine.stats()
+    if full != WINDOW:
+        assert engine.manager.lends_free_memory
+        assert stats.cache.lent_slabs > 0
+        assert stats.peak_used_blocks[full] > 8  # beyond its initial share
+    else:
+        assert not engine.manager.lends_free_memory  # one window: nothing to lend
 
 
 def engine_windows(family: str) -> list[int]:
