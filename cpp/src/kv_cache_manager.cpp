@@ -254,6 +254,10 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   borrow_.assign(window_sizes_.size(), 0);
   lendable_.assign(window_sizes_.size(), 0);
+  spare_.assign(window_sizes_.size(), 0);
+  if (lending_) {
+    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
+  }
   batch_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
@@ -393,6 +397,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
   switch (how) {
     case Handout::kFresh:
       KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
+      if (lending_) BorrowIfCheaper(w);
       slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
       break;
     case Handout::kShare:
@@ -408,6 +413,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
+      if (lending_) BorrowIfCheaper(w);
       slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
       break;
   }
@@ -441,6 +447,7 @@ std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
   std::int64_t short_slabs = 0;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     borrow_[w] = 0;
+    spare_[w] = available[w] - need[w];
     if (available[w] >= need[w]) continue;
     if (first_short < 0) first_short = static_cast<std::int64_t>(w);
     if (lending_) {
@@ -463,8 +470,18 @@ std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
   return first_short;
 }
 
+void KVCacheManager::InvalidateLent() {
+  // A sequence that released a lent block out of window lost that content, as if another
+  // sequence had reclaimed it (its own included: the bytes now belong to another window).
+  for (const SeqId displaced : lent_displaced_) {
+    auto it = sequences_.find(displaced);
+    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a lent block is not live"));
+    it->second.valid_for_reuse = false;
+  }
+  lent_displaced_.clear();
+}
+
 void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
-  displaced_.clear();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     for (; borrow_[w] > 0; --borrow_[w]) {
       std::size_t donor = windows_.size();
@@ -473,19 +490,47 @@ void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
       }
       KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " has no slab to borrow"));
       --lendable_[donor];
-      const std::int32_t slab = windows_[donor]->LendSlab(keep == nullptr ? nullptr : &(*keep)[donor], &displaced_);
+      const std::int32_t slab =
+          windows_[donor]->LendSlab(keep == nullptr ? nullptr : &(*keep)[donor], &lent_displaced_);
       windows_[w]->AdoptSlab(slab);
+      spare_[donor] -= windows_[donor]->blocks_per_slab();
+      spare_[w] += windows_[w]->blocks_per_slab();
       ++lent_slabs_;
     }
   }
-  // A sequence that released a lent block out of window lost that content, as if another
-  // sequence had reclaimed it.
-  for (const SeqId displaced : displaced_) {
-    auto it = sequences_.find(displaced);
-    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a lent block is not live"));
-    it->second.valid_for_reuse = false;
+  InvalidateLent();
+}
+
+void KVCacheManager::BorrowIfCheaper(std::size_t w) {
+  // Under "invalidate" a sliding window's eviction drops the chain below the block and a
+  // reclaimed out-of-window block stops its releaser from storing anything, costs the keys do
+  // not see: moving eviction pressure between windows measured worse there (bench/README.md),
+  // so only shortages move slabs.
+  if (swa_policy_ == SwaReusePolicy::kInvalidate) return;
+  WindowBlockManager& wm = *windows_[w];
+  const BlockId own = wm.policy().Peek(CacheLevel::kPrimary);
+  if (own == kNullBlock) return;  // planned moves cover a shortage
+  const WindowBlockManager::EvictionKey than = wm.EvictionKeyOf(own);
+  if (than.rank < 0) return;  // its own victim holds nothing
+  std::size_t donor = windows_.size();
+  std::int32_t slab = -1;
+  WindowBlockManager::EvictionKey best = than;
+  for (std::size_t v = 0; v < windows_.size(); ++v) {
+    const WindowBlockManager& dm = *windows_[v];
+    if (v == w || spare_[v] < dm.blocks_per_slab()) continue;
+    const std::int32_t s = dm.CheaperSlab(best, keep_ == nullptr ? nullptr : &(*keep_)[v]);
+    if (s < 0) continue;
+    donor = v;
+    slab = s;
+    best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
   }
-  displaced_.clear();
+  if (donor == windows_.size()) return;
+  windows_[donor]->LendSlabAt(slab, &lent_displaced_);
+  InvalidateLent();
+  wm.AdoptSlab(slab);
+  spare_[donor] -= windows_[donor]->blocks_per_slab();
+  spare_[w] += wm.blocks_per_slab();
+  ++lent_slabs_;
 }
 
 std::string KVCacheManager::LendNote(std::size_t w) const {
@@ -768,6 +813,11 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
   // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
   MoveSlabs(lending_ ? &keep : nullptr);
+  struct KeepScope {
+    const std::vector<std::vector<BlockId>>** keep;
+    ~KeepScope() { *keep = nullptr; }
+  } keep_scope{&keep_};
+  keep_ = lending_ ? &keep : nullptr;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
   }
@@ -933,6 +983,8 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       if (!batch_counted_[w]) batch_available_[w] += released(w);
     }
+  } else if (lending_) {
+    for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) spare_[w] = batch_available_[w] - need;
   }
   if (short_of_blocks) {
     const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), batch_available_);

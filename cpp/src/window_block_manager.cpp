@@ -103,7 +103,35 @@ void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
   const int priority = QueuePriority(b);
   const BlockId demoted =
       policy_.Push(b, priority, to_front && priority == EvictionPolicy::kScratch, QueueProtected(b));
-  if (demoted != kNullBlock) state_[demoted].hit = false;
+  if (clock_ != nullptr && IsPrimary(b)) stamp_[static_cast<std::size_t>(b)] = ++*clock_;
+  if (demoted != kNullBlock) {
+    state_[demoted].hit = false;
+    if (clock_ != nullptr && IsPrimary(demoted)) stamp_[static_cast<std::size_t>(demoted)] = ++*clock_;  // at the back now
+  }
+}
+
+void WindowBlockManager::EnableEvictionKeys(std::uint64_t* clock) {
+  clock_ = clock;
+  stamp_.assign(static_cast<std::size_t>(num_primary_), 0);
+}
+
+WindowBlockManager::EvictionKey WindowBlockManager::EvictionKeyOf(BlockId b) const {
+  const int priority = QueuePriority(b);
+  if (priority == EvictionPolicy::kScratch) return EvictionKey{-1, 0};
+  return EvictionKey{2 * priority + (QueueProtected(b) ? 1 : 0),
+                     stamp_.empty() ? 0 : stamp_[static_cast<std::size_t>(b)]};
+}
+
+std::int32_t WindowBlockManager::CheaperSlab(const EvictionKey& than, const std::vector<BlockId>* keep) const {
+  const BlockId victim = policy_.Peek(CacheLevel::kPrimary);
+  if (slab_blocks_ == 0 || victim == kNullBlock || !(EvictionKeyOf(victim) < than)) return -1;
+  const std::int32_t slab = victim / slab_blocks_;
+  if (!policy_.SlabListed(slab)) return -1;
+  for (BlockId b = slab * slab_blocks_; b < (slab + 1) * slab_blocks_; ++b) {
+    if (!(EvictionKeyOf(b) < than)) return -1;
+    if (keep != nullptr && std::find(keep->begin(), keep->end(), b) != keep->end()) return -1;
+  }
+  return slab;
 }
 
 void WindowBlockManager::Requeue(BlockId b) {
@@ -176,6 +204,13 @@ std::int32_t WindowBlockManager::LendSlab(const std::vector<BlockId>* keep, std:
     while (slab >= 0 && kept(slab)) slab = policy_.NextFreeSlab(slab);
   }
   KVC_CHECK(slab >= 0, detail::Concat("window ", window_, " has no wholly free slab to lend"));
+  LendSlabAt(slab, displaced);
+  return slab;
+}
+
+void WindowBlockManager::LendSlabAt(std::int32_t slab, std::vector<SeqId>* displaced) {
+  KVC_CHECK(slab_blocks_ > 0 && slab >= 0 && OwnsSlab(slab) && policy_.SlabListed(slab),
+            detail::Concat("window ", window_, ": slab ", slab, " is not wholly free"));
   const BlockId first = slab * slab_blocks_;
   for (BlockId b = first; b < first + slab_blocks_; ++b) {
     // Evicting one block may unlink (and re-queue) others of the slab below it: still free.
@@ -187,7 +222,6 @@ std::int32_t WindowBlockManager::LendSlab(const std::vector<BlockId>* keep, std:
   slab_owned_[static_cast<std::size_t>(slab)] = 0;
   owned_primary_ -= slab_blocks_;
   policy_.SetLevelSize(CacheLevel::kPrimary, owned_primary_);
-  return slab;
 }
 
 void WindowBlockManager::AdoptSlab(std::int32_t slab) {

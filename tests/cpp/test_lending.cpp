@@ -118,6 +118,38 @@ TEST(LendingTest, LentCachedBlockLeavesTheTreeAndItsReleaserBecomesInvalid) {
   m.CheckInvariants();
 }
 
+TEST(LendingTest, AWindowTakesAnotherWindowsScratchBlockBeforeEvictingItsCache) {
+  ManagerConfig c = LendConfig({{4, 2}, {16, 6}});  // window 4: ids 0, 1; full: ids 2-7
+  c.enable_block_reuse = true;
+  KVCacheManager m(testing::Model(2), c);
+  auto p = Iota(8);
+  m.AddSequence(1, p.data(), p.size());  // window 4: 0 1; full: 2 3
+  m.RemoveSequence(1);                   // both windows cache 7 tokens (a full and a partial block)
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 2u);
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 2 + 6);
+  // Window 4 has free blocks, but both hold cached content; full attention's next victim is
+  // scratch block 4. Window 4 takes that slab instead of evicting its own block 1.
+  auto q = Iota(4, 100);
+  m.AddSequence(2, q.data(), q.size());
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{4}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{5}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 3}, {16, 5}}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 2u);  // nothing of its cache was lost
+  EXPECT_EQ(m.GetReusablePrefixLength(p.data(), p.size(), {}), 7);
+  m.CheckInvariants();
+  // 3 blocks each: window 4 has 2 free and first borrows full's next victim, scratch slab 6
+  // (planned: full can spare one block). Then full can spare nothing more, so window 4
+  // evicts its own cached blocks 1 and 0, and full takes 7 and its cached 3 and 2.
+  auto r = Iota(12, 200);
+  m.AddSequence(3, r.data(), r.size());
+  EXPECT_EQ(m.GetCacheBlockIds(3, 4), (std::vector<BlockId>{6, 1, 0}));
+  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{7, 3, 2}));
+  EXPECT_EQ(m.GetStats().lent_slabs, 2);
+  EXPECT_TRUE(m.CachedBlockHashes(4).empty());
+  m.CheckInvariants();
+}
+
 TEST(LendingTest, UnequalBlockSizesMoveWholeSlabs) {
   // Pattern {4, 4, full}: window 4 has two layers, full one, so a slab is one window-4 block or
   // two full blocks. 4 window-4 blocks + 2 full blocks = 5 slabs: window 4 owns slabs 0-3 (its

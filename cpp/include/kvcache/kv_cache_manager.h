@@ -399,6 +399,13 @@ class KVCacheManager {
   /// Moves the slabs PlanBlocks planned, each from the donor that can lend the most; sequences
   /// that had released a lent block out of window become invalid for reuse.
   void MoveSlabs(const std::vector<std::vector<BlockId>>* keep = nullptr);
+  /// Marks every sequence in lent_displaced_ invalid for reuse and clears it.
+  void InvalidateLent();
+  /// Before window w takes a fresh block under lending: if its next victim holds cached
+  /// content and another window's next victim is cheaper to lose (scratch, or cached at a lower
+  /// priority or longer unused) in a wholly free slab that window can spare this call, that
+  /// slab moves to w first. So the windows evict, in effect, in one order.
+  void BorrowIfCheaper(std::size_t w);
   /// " (with N more that other windows can lend)" under lending, else "".
   std::string LendNote(std::size_t w) const;
   /// GetNumFreeBlocks of window index w (the lock held).
@@ -437,6 +444,13 @@ class KVCacheManager {
   bool lending_ = false;
   std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
   std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
+  // During one allocating call under lending: blocks each window has beyond what the call
+  // needs from it (BorrowIfCheaper lends only from that), and blocks the call reuses or copies
+  // from (never lent).
+  std::vector<std::int64_t> spare_;
+  const std::vector<std::vector<BlockId>>* keep_ = nullptr;
+  std::uint64_t evict_clock_ = 0;  // eviction stamps shared by the windows
+  std::vector<SeqId> lent_displaced_;  // releasers of blocks being lent
   std::int64_t lent_slabs_ = 0;
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;

@@ -133,6 +133,24 @@ class WindowBlockManager {
   /// dropped from the tree) and gets a new generation; live sequences that had released one
   /// out of window are appended to *displaced. Returns the slab. Precondition: one qualifies.
   std::int32_t LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced);
+  /// Gives up wholly free slab `slab` (as LendSlab).
+  void LendSlabAt(std::int32_t slab, std::vector<SeqId>* displaced);
+
+  /// Where a free primary block stands in the eviction order: scratch blocks first (rank -1),
+  /// then cached ones by priority, probation before protected (rank 2 * priority + protected),
+  /// and by the time they were queued. Comparable across windows that share `clock`.
+  struct EvictionKey {
+    int rank = 0;
+    std::uint64_t stamp = 0;
+    bool operator<(const EvictionKey& o) const { return rank != o.rank ? rank < o.rank : stamp < o.stamp; }
+  };
+  /// Stamps every primary block queued from now on from `clock` (shared by the windows).
+  void EnableEvictionKeys(std::uint64_t* clock);
+  EvictionKey EvictionKeyOf(BlockId b) const;
+  /// The slab of this window's next victim if lending it costs less than evicting a block of
+  /// key `than`: the slab is wholly free, holds no block of `keep` (may be null) and none of
+  /// its blocks ranks at or above `than`. -1 otherwise.
+  std::int32_t CheaperSlab(const EvictionKey& than, const std::vector<BlockId>* keep) const;
   /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
   /// queue.
   void AdoptSlab(std::int32_t slab);
@@ -235,6 +253,8 @@ class WindowBlockManager {
   std::int32_t slab_blocks_ = 0;
   std::vector<char> slab_owned_;
   std::int32_t owned_primary_ = 0;
+  std::uint64_t* clock_ = nullptr;    // eviction stamps (lending only)
+  std::vector<std::uint64_t> stamp_;  // per primary block: when it was last queued
   std::size_t allocated_bytes_ = 0;
   // Per-block state, one struct per block, so a hand-out or a release touches one cache line.
   struct BlockState {
