@@ -153,6 +153,26 @@ std::vector<std::int64_t> ToInt64Vector(const pybind11::handle& obj, const char*
   return out;
 }
 
+/// Reads an exact int of one digit (every token id and request id in practice) without the
+/// general conversion; false: the caller uses PyLong_AsLongLongAndOverflow.
+inline bool ReadOneDigitInt(PyObject* item, long long* v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  auto* l = reinterpret_cast<PyLongObject*>(item);
+  if (!PyUnstable_Long_IsCompact(l)) return false;
+  *v = static_cast<long long>(PyUnstable_Long_CompactValue(l));
+  return true;
+#elif PY_VERSION_HEX >= 0x030B0000
+  const Py_ssize_t size = Py_SIZE(item);
+  if (size < -1 || size > 1) return false;
+  *v = size == 0 ? 0 : size * static_cast<long long>(reinterpret_cast<PyLongObject*>(item)->ob_digit[0]);
+  return true;
+#else
+  static_cast<void>(item);
+  static_cast<void>(v);
+  return false;
+#endif
+}
+
 /// The fast path of the conversions below: a list or tuple (exactly) whose items are all
 /// exact ints in [lo, hi] fills *out in one pass over the items (no iterator, no temporary
 /// vector) and returns true. Anything else returns false (*out then holds garbage) and the
@@ -168,9 +188,13 @@ bool IntsFromListOrTuple(PyObject* obj, long long lo, long long hi, std::vector<
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = items[i];
     if (!PyLong_CheckExact(item)) return false;  // bool, int subclasses, numpy ints: general path
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow != 0 || v < lo || v > hi) return false;
+    long long v = 0;
+    if (!ReadOneDigitInt(item, &v)) {
+      int overflow = 0;
+      v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) return false;
+    }
+    if (v < lo || v > hi) return false;
     dst[i] = static_cast<T>(v);
   }
   return true;
