@@ -78,7 +78,12 @@ void ReuseTree::Delete(NodeId node) {
   }
   if (nd.next_sibling != kNoNode) nodes_[nd.next_sibling].prev_sibling = nd.prev_sibling;
   index_.erase(nd.hash);
+  // The token buffer keeps its capacity for the next node made from this slot: creating and
+  // deleting nodes (every store of a new prompt, every eviction) then allocates nothing.
+  std::vector<TokenId> tokens = std::move(nd.tokens);
+  tokens.clear();
   nd = Node{};
+  nd.tokens = std::move(tokens);
   free_nodes_.push_back(node);
 }
 
