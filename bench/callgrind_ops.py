@@ -12,11 +12,16 @@ set-up cancelled out. Operations:
 * ``add_tokens``: one decode step of 256 sequences, windows {128, full}, token and id lists.
 * ``replay``: the chunked-prefill replay of ``bench_reuse.py`` (chunks of 512, ``auto``
   split, placeholder) with ``N`` requests.
+* ``replay_calls``: the same replay, every timed manager call (what ``manager_s`` sums) made
+  through a ``functools.partial``, so that ``valgrind --tool=callgrind
+  --toggle-collect=partial_call --toggle-collect=partial_vectorcall`` counts the manager calls
+  alone (Python call overhead included), without the replay's own work.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +86,25 @@ def replay(n: int) -> None:
     )
 
 
+def replay_calls(n: int) -> None:
+    import functools
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import bench_reuse as br
+
+    def call(self: br._Timed, fn: Any, *args: object, **kwargs: object) -> Any:
+        return functools.partial(fn, *args, **kwargs)()
+
+    br._Timed.__call__ = call  # type: ignore[assignment,method-assign]
+    replay(n)
+
+
 if __name__ == "__main__":
-    {"miss": miss, "retry": retry, "add_tokens": add_tokens, "replay": replay}[sys.argv[1]](
-        int(sys.argv[2])
-    )
+    ops = {
+        "miss": miss,
+        "retry": retry,
+        "add_tokens": add_tokens,
+        "replay": replay,
+        "replay_calls": replay_calls,
+    }
+    ops[sys.argv[1]](int(sys.argv[2]))
