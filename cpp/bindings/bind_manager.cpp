@@ -2,7 +2,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -233,8 +232,7 @@ void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector
       }
     }
   }
-  out->resize(n);
-  std::copy(data, data + n, out->begin());
+  out->assign(data, data + n);  // no zero fill first
 }
 
 /// Token ids from a 1-D integer ndarray (int32/int64 read in place) or a sequence of ints into
