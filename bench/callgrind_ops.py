@@ -9,7 +9,8 @@ set-up cancelled out. Operations:
   ``remove_sequence(store_for_reuse=False)`` (as ``bench_manager.py``).
 * ``retry``: ``get_num_blocks_to_allocate`` of a prepared 2,500-token prompt behind a cached
   1,024-token system prompt (a deferred admission retried).
-* ``add_tokens``: one decode step of 256 sequences, windows {128, full}, token and id lists.
+* ``add_tokens``: one decode step of 256 sequences, windows {128, full}, token and id lists;
+  ``add_tokens_np``: the same with an int64 id array and an int32 token array.
 * ``replay``: the chunked-prefill replay of ``bench_reuse.py`` (chunks of 512, ``auto``
   split, placeholder) with ``N`` requests.
 * ``replay_calls``: the same replay, every timed manager call (what ``manager_s`` sums) made
@@ -56,7 +57,7 @@ def retry(n: int) -> None:
         m.get_num_blocks_to_allocate(q)
 
 
-def add_tokens(n: int) -> None:
+def add_tokens(n: int, arrays: bool = False) -> None:
     model = ModelConfig(num_layers=24, num_kv_heads=8, head_dim=64, dtype="bfloat16")
     config = KvCacheConfig(tokens_per_block=32, max_attention_window=[128, None], backend="virtual")
     batch = 256
@@ -66,10 +67,17 @@ def add_tokens(n: int) -> None:
     )
     for i in range(batch):
         m.add_sequence(i, np.arange(100 + (i * 7) % 300, dtype=np.int32))
-    ids = list(range(batch))
-    tokens = [5] * batch
+    ids: list[int] | np.ndarray = list(range(batch))
+    tokens: list[int] | np.ndarray = [5] * batch
+    if arrays:
+        ids = np.arange(batch, dtype=np.int64)
+        tokens = np.full(batch, 5, dtype=np.int32)
     for _ in range(n):
         m.add_tokens(ids, tokens)
+
+
+def add_tokens_np(n: int) -> None:
+    add_tokens(n, arrays=True)
 
 
 def replay(n: int) -> None:
@@ -104,6 +112,7 @@ if __name__ == "__main__":
         "miss": miss,
         "retry": retry,
         "add_tokens": add_tokens,
+        "add_tokens_np": add_tokens_np,
         "replay": replay,
         "replay_calls": replay_calls,
     }

@@ -203,6 +203,22 @@ bool IntsFromListOrTuple(PyObject* obj, long long lo, long long hi, std::vector<
 /// [0, 2**63).
 void ToRequestIds(const pybind11::handle& obj, const char* what, std::vector<SeqId>* ids) {
   if (IntsFromListOrTuple(obj.ptr(), 0, INT64_MAX, ids)) return;
+  if (pybind11::isinstance<pybind11::array>(obj)) {
+    // A contiguous int64 array is read in place; with a negative id it takes the general path,
+    // which names it.
+    auto arr = pybind11::reinterpret_borrow<pybind11::array>(obj);
+    if (arr.ndim() == 1 && (arr.flags() & pybind11::array::c_style) != 0 &&
+        arr.dtype().is(pybind11::dtype::of<std::int64_t>())) {
+      const auto* data = static_cast<const std::int64_t*>(arr.data());
+      const auto n = static_cast<std::size_t>(arr.size());
+      bool negative = false;
+      for (std::size_t i = 0; i < n; ++i) negative |= data[i] < 0;
+      if (!negative) {
+        ids->assign(data, data + n);
+        return;
+      }
+    }
+  }
   *ids = ToInt64Vector(obj, what);
   for (std::size_t i = 0; i < ids->size(); ++i) {
     if ((*ids)[i] < 0) ThrowInvalid(what, "[", i, "] = ", (*ids)[i], " is out of range [0, ", INT64_MAX, "]");
