@@ -155,45 +155,128 @@ std::vector<std::int64_t> ToInt64Vector(const pybind11::handle& obj, const char*
   return out;
 }
 
-/// Request ids from a 1-D integer ndarray or a sequence of ints; each must be in [0, 2**63).
-std::vector<SeqId> ToRequestIds(const pybind11::handle& obj, const char* what) {
-  std::vector<SeqId> ids = ToInt64Vector(obj, what);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0) ThrowInvalid(what, "[", i, "] = ", ids[i], " is out of range [0, ", INT64_MAX, "]");
+/// Reads an exact int of one digit (every token id and request id in practice) without the
+/// general conversion; false: the caller uses PyLong_AsLongLongAndOverflow.
+inline bool ReadOneDigitInt(PyObject* item, long long* v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  auto* l = reinterpret_cast<PyLongObject*>(item);
+  if (!PyUnstable_Long_IsCompact(l)) return false;
+  *v = static_cast<long long>(PyUnstable_Long_CompactValue(l));
+  return true;
+#elif PY_VERSION_HEX >= 0x030B0000
+  const Py_ssize_t size = Py_SIZE(item);
+  if (size < -1 || size > 1) return false;
+  *v = size == 0 ? 0 : size * static_cast<long long>(reinterpret_cast<PyLongObject*>(item)->ob_digit[0]);
+  return true;
+#else
+  static_cast<void>(item);
+  static_cast<void>(v);
+  return false;
+#endif
+}
+
+/// The fast path of the conversions below: a list or tuple (exactly) whose items are all
+/// exact ints in [lo, hi] fills *out in one pass over the items (no iterator, no temporary
+/// vector) and returns true. Anything else returns false (*out then holds garbage) and the
+/// caller converts again the general way, which raises the error naming the bad item. Reads
+/// only: converting an exact int runs no Python code, so the list cannot change meanwhile.
+template <typename T>
+bool IntsFromListOrTuple(PyObject* obj, long long lo, long long hi, std::vector<T>* out) {
+  if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  out->resize(static_cast<std::size_t>(n));
+  T* dst = out->data();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    if (!PyLong_CheckExact(item)) return false;  // bool, int subclasses, numpy ints: general path
+    long long v = 0;
+    if (!ReadOneDigitInt(item, &v)) {
+      int overflow = 0;
+      v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) return false;
+    }
+    if (v < lo || v > hi) return false;
+    dst[i] = static_cast<T>(v);
   }
+  return true;
+}
+
+/// Request ids from a 1-D integer ndarray or a sequence of ints into *ids; each must be in
+/// [0, 2**63).
+void ToRequestIds(const pybind11::handle& obj, const char* what, std::vector<SeqId>* ids) {
+  if (IntsFromListOrTuple(obj.ptr(), 0, INT64_MAX, ids)) return;
+  if (pybind11::isinstance<pybind11::array>(obj)) {
+    // A contiguous int64 array is read in place; with a negative id it takes the general path,
+    // which names it.
+    auto arr = pybind11::reinterpret_borrow<pybind11::array>(obj);
+    if (arr.ndim() == 1 && (arr.flags() & pybind11::array::c_style) != 0 &&
+        arr.dtype().is(pybind11::dtype::of<std::int64_t>())) {
+      const auto* data = static_cast<const std::int64_t*>(arr.data());
+      const auto n = static_cast<std::size_t>(arr.size());
+      bool negative = false;
+      for (std::size_t i = 0; i < n; ++i) negative |= data[i] < 0;
+      if (!negative) {
+        ids->assign(data, data + n);
+        return;
+      }
+    }
+  }
+  *ids = ToInt64Vector(obj, what);
+  for (std::size_t i = 0; i < ids->size(); ++i) {
+    if ((*ids)[i] < 0) ThrowInvalid(what, "[", i, "] = ", (*ids)[i], " is out of range [0, ", INT64_MAX, "]");
+  }
+}
+
+std::vector<SeqId> ToRequestIds(const pybind11::handle& obj, const char* what) {
+  std::vector<SeqId> ids;
+  ToRequestIds(obj, what, &ids);
   return ids;
 }
 
 template <typename T>
 void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector<TokenId>* out) {
-  out->resize(n);
+  // One branch-free pass finds whether any value is out of range (the common case: none, and
+  // the loop vectorizes), then a plain copy; only a bad value takes the loop naming it.
+  bool bad = false;
   for (std::size_t i = 0; i < n; ++i) {
-    const T v = data[i];
-    if (v < 0) ThrowInvalid(what, "[", i, "] is negative (", static_cast<std::int64_t>(v), ")");
-    if (static_cast<std::uint64_t>(v) > static_cast<std::uint64_t>(INT32_MAX)) {
-      ThrowInvalid(what, "[", i, "] = ", static_cast<std::uint64_t>(v), " does not fit a 32-bit token id");
-    }
-    (*out)[i] = static_cast<TokenId>(v);
+    bad |= data[i] < 0 || static_cast<std::uint64_t>(data[i]) > static_cast<std::uint64_t>(INT32_MAX);
   }
+  if (bad) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const T v = data[i];
+      if (v < 0) ThrowInvalid(what, "[", i, "] is negative (", static_cast<std::int64_t>(v), ")");
+      if (static_cast<std::uint64_t>(v) > static_cast<std::uint64_t>(INT32_MAX)) {
+        ThrowInvalid(what, "[", i, "] = ", static_cast<std::uint64_t>(v), " does not fit a 32-bit token id");
+      }
+    }
+  }
+  out->assign(data, data + n);  // no zero fill first
 }
 
-/// Token ids from a 1-D integer ndarray (int32/int64 read in place) or a sequence of ints.
-std::vector<TokenId> ToTokens(const pybind11::handle& obj, const char* what) {
-  std::vector<TokenId> out;
+/// Token ids from a 1-D integer ndarray (int32/int64 read in place) or a sequence of ints into
+/// *out.
+void ToTokens(const pybind11::handle& obj, const char* what, std::vector<TokenId>* out) {
+  if (IntsFromListOrTuple(obj.ptr(), 0, INT32_MAX, out)) return;
   if (pybind11::isinstance<pybind11::array>(obj)) {
     auto arr = pybind11::reinterpret_borrow<pybind11::array>(obj);
     const bool contiguous = (arr.flags() & pybind11::array::c_style) != 0 && arr.ndim() == 1;
     if (contiguous && arr.dtype().is(pybind11::dtype::of<std::int32_t>())) {
-      CopyTokenValues(static_cast<const std::int32_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, &out);
-      return out;
+      CopyTokenValues(static_cast<const std::int32_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, out);
+      return;
     }
     if (contiguous && arr.dtype().is(pybind11::dtype::of<std::int64_t>())) {
-      CopyTokenValues(static_cast<const std::int64_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, &out);
-      return out;
+      CopyTokenValues(static_cast<const std::int64_t*>(arr.data()), static_cast<std::size_t>(arr.size()), what, out);
+      return;
     }
   }
   const std::vector<std::int64_t> raw = ToInt64Vector(obj, what);
-  CopyTokenValues(raw.data(), raw.size(), what, &out);
+  CopyTokenValues(raw.data(), raw.size(), what, out);
+}
+
+std::vector<TokenId> ToTokens(const pybind11::handle& obj, const char* what) {
+  std::vector<TokenId> out;
+  ToTokens(obj, what, &out);
   return out;
 }
 
@@ -823,8 +906,12 @@ void BindManager(pybind11::module_& m) {
       .def(
           "add_tokens",
           [](M& self, const pybind11::handle& request_ids, const pybind11::handle& tokens) {
-            const std::vector<SeqId> ids = ToRequestIds(request_ids, "request_ids");
-            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            // Per-thread buffers: a decode step allocates nothing here (AddTokens runs no Python
+            // code, so nothing can reenter and reuse them meanwhile).
+            thread_local std::vector<SeqId> ids;
+            thread_local std::vector<TokenId> toks;
+            ToRequestIds(request_ids, "request_ids", &ids);
+            ToTokens(tokens, "tokens", &toks);
             if (ids.size() != toks.size()) {
               ThrowInvalid("add_tokens: ", ids.size(), " request ids but ", toks.size(), " tokens");
             }

@@ -1,6 +1,7 @@
 // KVCacheManager, reuse half: planning a prefix hit, storing chains, pins, events, priorities.
 #include <algorithm>
 #include <array>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -132,11 +133,98 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
   if (key_len <= 0) return 0;
   const std::int32_t num_blocks = full_only ? key_len / tpb_ : (key_len + tpb_ - 1) / tpb_;
   const std::size_t nw = windows_.size();
-  std::vector<KVCacheEvent> stored(events_ ? nw : 0);
-  std::vector<std::int32_t> last_stored(nw, -2);
+  // The block the sequence stores at position d of window w, or kNullBlock.
+  auto own_block = [&](std::size_t w, std::int32_t d) {
+    const SequenceWindow& sw = seq.windows[w];
+    if (d >= sw.front_null) return sw.blocks[static_cast<std::size_t>(d)];
+    const auto [released, generation] = sw.released[static_cast<std::size_t>(d)];
+    // A released block still holds this sequence's KV unless it was handed out again.
+    return released != kNullBlock && windows_[w]->Generation(released) == generation ? released : kNullBlock;
+  };
+  // Position d (node `node`) is *settled* in window w when no later walk can store anything
+  // there: the node holds the sequence's block b, or the sequence has no block there and the
+  // window never drops a chain below an evicted block (a sliding window under "placeholder").
+  // Why nothing can store there later: a live b is never unlinked while the sequence holds it
+  // (the positions before it are settled too, so no eviction above it can drop it); a released
+  // b leaves the node only when it is handed out again, which makes the sequence's record of it
+  // stale, and only a sliding window releases blocks. That holds only where sliding windows drop
+  // no chains: under "invalidate" a sequence that reclaims its own released block stays valid,
+  // and a block another sequence links there later could drop the sequence's blocks below when
+  // it is evicted. So under "invalidate" with a sliding window every walk starts at the root.
+  auto settled = [&](std::size_t w, NodeId node, BlockId b) {
+    if (b != kNullBlock) return tree_->Block(node, static_cast<std::int32_t>(w)) == b;
+    return windows_[w]->is_swa() && swa_policy_ == SwaReusePolicy::kPlaceholder;
+  };
+  const bool resumable =
+      swa_policy_ == SwaReusePolicy::kPlaceholder ||
+      std::none_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
+  // The key of position d below a parent with chained hash parent_hash.
+  auto key = [&](std::int32_t d, std::uint64_t parent_hash, std::int32_t* len, std::uint64_t* digest) {
+    const std::int32_t start = d * tpb_;
+    *len = std::min(tpb_, key_len - start);
+    // A prepared prompt's full blocks were keyed once; the rest is keyed here.
+    const bool keyed =
+        *len == tpb_ && d < static_cast<std::int32_t>(seq.prompt_hashes.size()) && start + *len <= seq.prompt_len;
+    const auto i = static_cast<std::size_t>(d);
+    *digest = keyed ? seq.prompt_digests[i] : BlockExtrasDigest(seq.extras, d, start, *len);
+    return keyed ? seq.prompt_hashes[i] : ChainHash(parent_hash, seq.tokens.data() + start, *len, *digest);
+  };
+  // The sequence's record of position d in window w: its live block and that block's
+  // generation, or what it released there (the block and its generation at release).
+  auto record = [&](std::size_t w, std::int32_t d) -> std::pair<BlockId, std::uint32_t> {
+    const SequenceWindow& sw = seq.windows[w];
+    if (d < sw.front_null) return sw.released[static_cast<std::size_t>(d)];
+    const BlockId b = sw.blocks[static_cast<std::size_t>(d)];
+    return {b, windows_[w]->Generation(b)};
+  };
+  // Resume where the last walk found every position before it settled (chunked prefill stores
+  // after every chunk: without this each store walks the whole prompt again). Trusted only if
+  // that walk's last node is still the same node, still settled in every window, and the
+  // tokens before it are unchanged: a rewind below it gave the guard window a new block there
+  // (handed out again or a copy: the old one was linked, so not private). Pins are taken at
+  // every position, so pin walks start at the root.
+  Sequence::StoreResume& resume = seq.store_resume;
+  std::int32_t first = 0;
   NodeId parent = ReuseTree::kRoot;
   std::uint64_t parent_hash = 0;
-  NodeId last = ReuseTree::kRoot;
+  // Every position before the resume point must be a full block of this walk too: a store
+  // during chunked prefill keys one token more than the store at the end.
+  if (resumable && pinned == nullptr && resume.depth > 0 && resume.depth <= key_len / tpb_ &&
+      tree_->Alive(resume.node) && tree_->Hash(resume.node) == resume.hash && tree_->Depth(resume.node) == resume.depth) {
+    const std::int32_t d = resume.depth - 1;
+    bool ok = resume.guard_window < 0 ||
+              record(static_cast<std::size_t>(resume.guard_window), d) ==
+                  std::make_pair(resume.guard_block, resume.guard_generation);
+    for (std::size_t w = 0; w < nw && ok; ++w) ok = settled(w, resume.node, own_block(w, d));
+    if (ok) {
+      first = resume.depth;
+      parent = resume.node;
+      parent_hash = resume.hash;
+    }
+  }
+#ifdef KVCACHE_ENABLE_DCHECK
+  NodeId node_check = ReuseTree::kRoot;
+  std::uint64_t parent_hash_check = 0;
+  // Debug builds verify the claim: from the root, every skipped position is settled.
+  for (std::int32_t d = 0, len = 0; d < first; ++d) {
+    std::uint64_t digest = 0;
+    const std::uint64_t h = key(d, parent_hash_check, &len, &digest);
+    node_check = tree_->FindChild(node_check, h, seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_, len, digest);
+    KVC_CHECK(node_check != kNoNode, detail::Concat("request ", seq.id, ": store resumes past a missing node"));
+    for (std::size_t w = 0; w < nw; ++w) {
+      KVC_CHECK(settled(w, node_check, own_block(w, d)),
+                detail::Concat("request ", seq.id, ": store resumes past unsettled position ", d, " of window ",
+                               window_sizes_[w]));
+    }
+    parent_hash_check = h;
+  }
+  KVC_CHECK(first == 0 || node_check == resume.node, "store resume node is not the chain's node");
+#endif
+  if (first == 0) resume = Sequence::StoreResume{};
+  bool all_settled = true;  // every position walked so far is settled (and a full block)
+  std::vector<KVCacheEvent> stored(events_ ? nw : 0);
+  std::vector<std::int32_t> last_stored(nw, -2);
+  NodeId last = parent;
   std::int32_t newly = 0;
   auto flush = [&](std::size_t w) {
     if (events_ && !stored[w].blocks.empty()) {
@@ -144,30 +232,20 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
       stored[w] = KVCacheEvent{};
     }
   };
-  for (std::int32_t d = 0; d < num_blocks; ++d) {
+  for (std::int32_t d = first; d < num_blocks; ++d) {
     const std::int32_t start = d * tpb_;
-    const std::int32_t len = std::min(tpb_, key_len - start);
+    std::int32_t len = 0;
+    std::uint64_t digest = 0;
+    const std::uint64_t h = key(d, parent_hash, &len, &digest);
     const TokenId* t = seq.tokens.data() + start;
-    // A prepared prompt's full blocks were keyed once; the rest is keyed here.
-    const bool keyed = len == tpb_ && d < static_cast<std::int32_t>(seq.prompt_hashes.size()) && start + len <= seq.prompt_len;
-    const auto i = static_cast<std::size_t>(d);
-    const std::uint64_t digest = keyed ? seq.prompt_digests[i] : BlockExtrasDigest(seq.extras, d, start, len);
-    const std::uint64_t h = keyed ? seq.prompt_hashes[i] : ChainHash(parent_hash, t, len, digest);
     const NodeId node = tree_->GetOrCreateChild(parent, h, t, len, digest, HasMultimodal(seq.extras, start, len));
     if (node == kNoNode) break;  // a 64-bit hash collision with another key: stop storing
     bool any = false;
+    bool here_settled = resumable && len == tpb_;
     for (std::size_t w = 0; w < nw; ++w) {
       WindowBlockManager& wm = *windows_[w];
-      const SequenceWindow& sw = seq.windows[w];
       const auto wi = static_cast<std::int32_t>(w);
-      BlockId b = kNullBlock;
-      if (d < sw.front_null) {
-        const auto [released, generation] = sw.released[static_cast<std::size_t>(d)];
-        // A released block still holds this sequence's KV unless it was handed out again.
-        if (released != kNullBlock && wm.Generation(released) == generation) b = released;
-      } else {
-        b = sw.blocks[static_cast<std::size_t>(d)];
-      }
+      const BlockId b = own_block(w, d);
       if (b != kNullBlock && tree_->Block(node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
         wm.Link(b, node);
         any = true;
@@ -191,6 +269,17 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
       if (pinned != nullptr && tree_->Block(node, wi) != kNullBlock) {
         Pin(w, tree_->Block(node, wi));
         (*pinned)[w].push_back(tree_->Block(node, wi));
+      }
+      here_settled = here_settled && settled(w, node, b);
+    }
+    all_settled = all_settled && here_settled;
+    if (all_settled) {
+      resume = Sequence::StoreResume{d + 1, node, h};
+      for (std::size_t w = 0; w < nw; ++w) {
+        if (d < seq.windows[w].front_null) continue;
+        resume.guard_window = static_cast<std::int32_t>(w);
+        std::tie(resume.guard_block, resume.guard_generation) = record(w, d);
+        break;
       }
     }
     newly += any ? 1 : 0;

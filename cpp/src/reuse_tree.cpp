@@ -23,18 +23,14 @@ bool ReuseTree::KeyEquals(NodeId node, const TokenId* tokens, std::int32_t n,
 
 NodeId ReuseTree::FindChild(NodeId parent, std::uint64_t hash, const TokenId* tokens,
                             std::int32_t n, std::uint64_t extras) const {
-  auto it = index_.find(hash);
-  if (it == index_.end()) return kNoNode;
-  const NodeId c = it->second;
-  if (nodes_[c].parent != parent || !KeyEquals(c, tokens, n, extras)) return kNoNode;
+  const NodeId c = index_.Find(hash);
+  if (c == kNoNode || nodes_[c].parent != parent || !KeyEquals(c, tokens, n, extras)) return kNoNode;
   return c;
 }
 
 NodeId ReuseTree::GetOrCreateChild(NodeId parent, std::uint64_t hash, const TokenId* tokens,
                                    std::int32_t n, std::uint64_t extras, bool has_multimodal) {
-  auto it = index_.find(hash);
-  if (it != index_.end()) {
-    const NodeId c = it->second;
+  if (const NodeId c = index_.Find(hash); c != kNoNode) {
     return (nodes_[c].parent == parent && KeyEquals(c, tokens, n, extras)) ? c : kNoNode;
   }
   NodeId id;
@@ -60,7 +56,7 @@ NodeId ReuseTree::GetOrCreateChild(NodeId parent, std::uint64_t hash, const Toke
   if (nd.next_sibling != kNoNode) nodes_[nd.next_sibling].prev_sibling = id;
   nodes_[parent].first_child = id;
   std::fill_n(blocks_.begin() + static_cast<std::ptrdiff_t>(Slot(id, 0)), num_windows_, kNullBlock);
-  index_.emplace(hash, id);
+  index_.Insert(hash, id);
   return id;
 }
 
@@ -77,9 +73,52 @@ void ReuseTree::Delete(NodeId node) {
     nodes_[nd.parent].first_child = nd.next_sibling;
   }
   if (nd.next_sibling != kNoNode) nodes_[nd.next_sibling].prev_sibling = nd.prev_sibling;
-  index_.erase(nd.hash);
+  index_.Erase(nd.hash);
+  // The token buffer keeps its capacity for the next node made from this slot: creating and
+  // deleting nodes (every store of a new prompt, every eviction) then allocates nothing.
+  std::vector<TokenId> tokens = std::move(nd.tokens);
+  tokens.clear();
   nd = Node{};
+  nd.tokens = std::move(tokens);
   free_nodes_.push_back(node);
+}
+
+void ReuseTree::NodeIndex::Insert(std::uint64_t hash, NodeId node) {
+  if ((size_ + 1) * 2 > slots_.size()) {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    --shift_;
+    size_ = 0;
+    for (const Slot& e : old) {
+      if (e.node != kNoNode) Insert(e.hash, e.node);
+    }
+  }
+  std::size_t i = Home(hash);
+  while (slots_[i].node != kNoNode) {
+    KVC_DCHECK(slots_[i].hash != hash, "hash index: duplicate insert");
+    i = (i + 1) & Mask();
+  }
+  slots_[i] = Slot{hash, node};
+  ++size_;
+}
+
+void ReuseTree::NodeIndex::Erase(std::uint64_t hash) {
+  std::size_t i = Home(hash);
+  while (slots_[i].hash != hash || slots_[i].node == kNoNode) {
+    KVC_CHECK(slots_[i].node != kNoNode, "hash index: erase of a missing hash");
+    i = (i + 1) & Mask();
+  }
+  // Backward shift: move up every later entry of the run that may not sit after the hole.
+  for (std::size_t j = (i + 1) & Mask(); slots_[j].node != kNoNode; j = (j + 1) & Mask()) {
+    const std::size_t home = Home(slots_[j].hash);
+    // Entry j stays where it is if its home lies cyclically in (i, j].
+    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (stays) continue;
+    slots_[i] = slots_[j];
+    i = j;
+  }
+  slots_[i] = Slot{};
+  --size_;
 }
 
 void ReuseTree::PruneUp(NodeId node) {
@@ -103,8 +142,7 @@ void ReuseTree::CheckInvariants() const {
       KVC_CHECK(nodes_[c].parent == n, detail::Concat("node ", c, " has a wrong parent"));
       KVC_CHECK(nodes_[c].prev_sibling == prev, detail::Concat("node ", c, " has a wrong sibling link"));
       KVC_CHECK(nodes_[c].depth == nodes_[n].depth + 1, detail::Concat("node ", c, " has a wrong depth"));
-      auto it = index_.find(nodes_[c].hash);
-      KVC_CHECK(it != index_.end() && it->second == c, detail::Concat("node ", c, " is missing from the index"));
+      KVC_CHECK(index_.Find(nodes_[c].hash) == c, detail::Concat("node ", c, " is missing from the index"));
       KVC_CHECK(!IsLeaf(c) || !IsEmpty(c), detail::Concat("leaf node ", c, " holds no block"));
       prev = c;
       stack.push_back(c);

@@ -112,6 +112,59 @@ TEST(ChunkedPrefillTest, StoreContextBlocksStoresWhatWasPrefilled) {
   m.CheckInvariants();
 }
 
+// A store resumes where the sequence's last store stopped only past positions where nothing can
+// be stored later. A position whose node holds another sequence's copy of the block (both
+// prefilled the same prompt at once) is not such a position: once that copy is evicted, the
+// next store links the sequence's own block there and everything after it.
+TEST(ChunkedPrefillTest, StoreAfterAShadowingCopyWasEvictedLinksTheOwnBlocks) {
+  ManagerConfig c = Config({0}, 64, {{64, 14}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(1), c);
+  const auto prompt = Iota(20);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 8);
+  m.AddSequence(2, prompt.data(), prompt.size(), {}, 8);  // nothing stored yet: a miss
+  EXPECT_EQ(m.StoreContextBlocks(1), 2);
+  EXPECT_EQ(m.StoreContextBlocks(2), 0);  // request 1's blocks hold both positions
+  m.Prefill(2, 4);
+  EXPECT_EQ(m.StoreContextBlocks(2), 1);  // position 2: request 2's own block
+  m.RemoveSequence(1, /*store_for_reuse=*/false);  // its cached blocks 0 and 1 are free now
+  // Another request takes every free block: the cached blocks 0 and 1 are evicted (dropping
+  // position 2 below them as well) and request 2's blocks are the only copies left.
+  const auto other = Iota(44, 100);
+  m.AddSequence(3, other.data(), other.size());
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 0);
+  m.RemoveSequence(3, /*store_for_reuse=*/false);
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 0);
+  EXPECT_EQ(m.StoreContextBlocks(2), 3);  // positions 0..2 from the root again
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 12);
+  m.Prefill(2, 8);
+  EXPECT_EQ(m.StoreContextBlocks(2), 1);  // 19 key tokens: position 3 only
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 16);
+  m.CheckInvariants();
+}
+
+// A rewind below where the last store stopped changes the tokens there: the next store walks
+// the new chain from the root instead of resuming past it.
+TEST(ChunkedPrefillTest, StoreAfterARewindBelowTheLastStoreWalksTheNewChain) {
+  ManagerConfig c = Config({0}, 64, {{64, 20}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(1), c);
+  const auto prompt = Iota(10);
+  m.AddSequence(1, prompt.data(), prompt.size());
+  EXPECT_EQ(m.StoreContextBlocks(1), 2);  // 9 key tokens: positions 0 and 1
+  for (TokenId t = 10; t < 18; ++t) m.AddToken(1, t);
+  EXPECT_EQ(m.PinBlocks(1).at(64).size(), 4U);  // 17 key tokens: positions 0..3, pinned
+  m.Rewind(1, 12);                              // 6 tokens left: position 1 is copied
+  std::vector<TokenId> now = Iota(6);
+  for (TokenId t = 50; t < 62; ++t) {
+    m.AddToken(1, t);
+    now.push_back(t);
+  }
+  m.RemoveSequence(1);  // stores the 17 key tokens of the new chain (the last block partial)
+  EXPECT_EQ(m.GetReusablePrefixLength(now.data(), now.size(), {}), 17);
+  m.CheckInvariants();
+}
+
 TEST(ChunkedPrefillTest, FailuresChangeNothing) {
   KVCacheManager m(Model(1), Config({0}, 64, {{64, 3}}, 4, BackendKind::kVirtual));
   const auto prompt = Iota(20);

@@ -86,6 +86,60 @@ TEST(ReuseTreeTest, DescendantsArePreorder) {
   EXPECT_NE(std::find(seen.begin(), seen.end(), d), seen.end());
 }
 
+// The hash index under many inserts and erases: hashes that share their low or high bits
+// (long probe runs, erases from the middle of a run, growth), a hash of 0, random order.
+TEST(ReuseTreeTest, IndexFindsEveryLiveNodeThroughGrowthAndErases) {
+  ReuseTree t(1);
+  std::vector<std::uint64_t> hashes = {0};
+  for (std::uint64_t i = 1; i < 1500; ++i) {
+    hashes.push_back(i);                    // consecutive
+    hashes.push_back(i << 40);              // equal low bits
+    hashes.push_back(i * 0x9E3779B97F4A7C15ULL);  // the multiplier itself: equal high bits in pairs
+  }
+  std::uint64_t rng = 12345;
+  auto next = [&rng] {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+  };
+  std::vector<std::pair<std::uint64_t, NodeId>> live;
+  for (int round = 0; round < 3; ++round) {
+    for (const std::uint64_t h : hashes) {
+      const TokenId token = static_cast<TokenId>(h & 0x7fffffff);
+      const NodeId n = t.GetOrCreateChild(ReuseTree::kRoot, h, &token, 1, 0, false);
+      ASSERT_NE(n, kNoNode);
+      t.SetBlock(n, 0, 1);
+      live.emplace_back(h, n);
+    }
+    // Erase a random half (a leaf without blocks is deleted by PruneUp).
+    for (std::size_t i = 0; i < live.size(); ++i) std::swap(live[i], live[next() % live.size()]);
+    const std::size_t keep = live.size() / 2;
+    for (std::size_t i = keep; i < live.size(); ++i) {
+      t.SetBlock(live[i].second, 0, kNullBlock);
+      t.PruneUp(live[i].second);
+    }
+    for (std::size_t i = keep; i < live.size(); ++i) {
+      const TokenId token = static_cast<TokenId>(live[i].first & 0x7fffffff);
+      EXPECT_EQ(t.FindChild(ReuseTree::kRoot, live[i].first, &token, 1, 0), kNoNode);
+    }
+    live.resize(keep);
+    for (const auto& [h, n] : live) {
+      const TokenId token = static_cast<TokenId>(h & 0x7fffffff);
+      ASSERT_EQ(t.FindChild(ReuseTree::kRoot, h, &token, 1, 0), n);
+    }
+    t.CheckInvariants();
+    EXPECT_EQ(t.NumNodes(), live.size() + 1);
+    // The erased hashes come back in the next round; drop the live ones first.
+    for (const auto& [h, n] : live) {
+      t.SetBlock(n, 0, kNullBlock);
+      t.PruneUp(n);
+    }
+    live.clear();
+    EXPECT_EQ(t.NumNodes(), 1U);
+  }
+}
+
 TEST(ReuseTreeTest, InvariantCheckCatchesEmptyLeaf) {
   ReuseTree t(1);
   t.GetOrCreateChild(ReuseTree::kRoot, 1, kA.data(), 4, 0, false);

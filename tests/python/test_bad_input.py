@@ -372,3 +372,59 @@ def test_copy_block_offsets_rejects_a_slot_offset_that_overflows() -> None:
         m.copy_block_offsets(out, [1, 1], slot_offset=3)
     assert (out == 99).all()
     assert m.copy_block_offsets(out, [1], slot_offset=3) == 2
+
+
+class _MyInt(int):
+    """An int subclass: converted by the general path, as before the list fast path."""
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [2**62 + 5, 0],  # a multi-digit id
+        (2**62 + 5, 0),
+        [_MyInt(2**62 + 5), _MyInt(0)],
+        np.array([2**62 + 5, 0], dtype=np.int64),
+        np.array([2**62 + 5, 0], dtype=np.uint64),
+    ],
+)
+@pytest.mark.parametrize(
+    "tokens",
+    [[2**31 - 1, 0], (2**31 - 1, 0), [_MyInt(2**31 - 1), 0], np.array([2**31 - 1, 0])],
+)
+def test_add_tokens_takes_lists_tuples_and_arrays_alike(ids: Any, tokens: Any) -> None:
+    m = _small_manager()
+    m.add_sequence(2**62 + 5, [1, 2, 3])
+    m.add_sequence(0, [1, 2, 3])
+    m.add_tokens(ids, tokens)
+    assert m.num_tokens(2**62 + 5) == 4 and m.num_tokens(0) == 4
+
+
+@pytest.mark.parametrize(
+    ("ids", "tokens", "message"),
+    [
+        ([1, -1], [1, 1], r"request_ids\[1\] = -1 is out of range"),
+        (np.array([1, -1]), [1, 1], r"request_ids\[1\] = -1 is out of range"),
+        ([1, 2**63], [1, 1], r"request_ids\[1\] = 9223372036854775808 is out of range"),
+        ([1, True], [1, 1], "request_ids must hold ints, got bool"),
+        ([1, np.int64(0)], [1, 1], "request_ids must hold ints, got numpy.int64"),
+        ([1, 0], [1, -3], r"tokens\[1\] is negative \(-3\)"),
+        ([1, 0], [2**31, 1], r"tokens\[0\] = 2147483648 does not fit a 32-bit token id"),
+        ([1, 0], np.array([1, -3], dtype=np.int32), r"tokens\[1\] is negative \(-3\)"),
+        ([1, 0], np.array([2**31, 1]), r"tokens\[0\] = 2147483648 does not fit"),
+        ([1, 0], [1.0, 2], "tokens must hold ints, got float"),
+    ],
+)
+def test_add_tokens_names_the_bad_item(ids: Any, tokens: Any, message: str) -> None:
+    m = _small_manager()
+    m.add_sequence(1, [1, 2, 3])
+    m.add_sequence(0, [1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        m.add_tokens(ids, tokens)
+    assert m.num_tokens(1) == 3 and m.num_tokens(0) == 3
+
+
+def _small_manager() -> KVCacheManager:
+    model = ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
+    config = KvCacheConfig(tokens_per_block=4, max_attention_window=[None], backend="virtual")
+    return KVCacheManager.from_blocks(model, config, {64: 40}, max_seq_len=64, max_batch_size=4)

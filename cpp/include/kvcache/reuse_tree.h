@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
 #include "kvcache/types.h"
@@ -111,7 +110,41 @@ class ReuseTree {
   std::vector<Node> nodes_;
   std::vector<BlockId> blocks_;  // [node][window]
   std::vector<NodeId> free_nodes_;
-  std::unordered_map<std::uint64_t, NodeId> index_;  // chained hash -> node
+  /// Chained hash -> node: open addressing with linear probing in a power-of-two table at
+  /// most half full, backward-shift deletion. Inserting and erasing allocate nothing (unless
+  /// the table grows), and a lookup is a multiply, a shift and usually one probe.
+  class NodeIndex {
+   public:
+    NodeIndex() : slots_(kInitialSlots) {}
+    /// The node with `hash`, or kNoNode.
+    NodeId Find(std::uint64_t hash) const {
+      for (std::size_t i = Home(hash);; i = (i + 1) & Mask()) {
+        if (slots_[i].node == kNoNode) return kNoNode;
+        if (slots_[i].hash == hash) return slots_[i].node;
+      }
+    }
+    /// Adds `hash` -> `node`; `hash` must be absent.
+    void Insert(std::uint64_t hash, NodeId node);
+    /// Removes `hash`, which must be present.
+    void Erase(std::uint64_t hash);
+    std::size_t size() const { return size_; }
+
+   private:
+    struct Slot {
+      std::uint64_t hash = 0;
+      NodeId node = kNoNode;  // kNoNode: empty
+    };
+    static constexpr std::size_t kInitialSlots = 64;
+    std::size_t Mask() const { return slots_.size() - 1; }
+    /// Fibonacci hashing: the top bits of hash * 2^64 / phi.
+    std::size_t Home(std::uint64_t hash) const {
+      return static_cast<std::size_t>((hash * 0x9E3779B97F4A7C15ULL) >> shift_);
+    }
+    std::vector<Slot> slots_;
+    std::size_t size_ = 0;
+    int shift_ = 58;  // 64 - log2(slots_.size())
+  };
+  NodeIndex index_;
 };
 
 }  // namespace kvcache

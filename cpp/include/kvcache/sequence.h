@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvcache/block_key.h"
+#include "kvcache/reuse_tree.h"
 #include "kvcache/types.h"
 
 namespace kvcache {
@@ -53,6 +54,24 @@ struct Sequence {
   std::vector<std::uint64_t> prompt_digests;
   std::vector<std::uint64_t> prompt_hashes;
   bool valid_for_reuse = true;  ///< False once another sequence reclaimed a released block.
+  /// Where the next StoreChain walk of this sequence may start instead of the root: every
+  /// position before `depth` was *settled* after the last walk (nothing to store there, now or
+  /// later, see KVCacheManager::StoreChain) and `node` (chained hash `hash`) is the tree node of
+  /// position depth - 1. `guard_window` (-1: none) is a window that held a live block at that
+  /// position, `guard_block` / `guard_generation` that block and its generation: a rewind below
+  /// depth * tokens_per_block changes them (the block is copied or handed out again), and a
+  /// position every window had released cannot be rewound. StoreChain checks all of it before
+  /// trusting it and walks from the root otherwise. Written by StoreChain only (a cache, hence
+  /// mutable).
+  struct StoreResume {
+    std::int32_t depth = 0;
+    NodeId node = kNoNode;
+    std::uint64_t hash = 0;
+    std::int32_t guard_window = -1;
+    BlockId guard_block = kNullBlock;
+    std::uint32_t guard_generation = 0;
+  };
+  mutable StoreResume store_resume;
   std::int32_t reused_tokens = 0;
   std::int64_t reused_blocks = 0;
   std::int64_t missed_blocks = 0;
