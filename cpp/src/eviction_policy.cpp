@@ -90,6 +90,7 @@ void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
   occupied_[lv][slot >> 6] |= std::uint64_t{1} << (slot & 63);
   ++num_free_[lv];
   if (IsProtectedSlot(slot)) ++num_protected_[lv];
+  if (slot == 0) ++num_scratch_[lv];
   if (slab_blocks_ > 0 && lv == 0) SlabGained(b);
 }
 
@@ -112,6 +113,7 @@ void EvictionPolicy::Erase(BlockId b) {
   if (head_[q] == kNullBlock) occupied_[lv][slot >> 6] &= ~(std::uint64_t{1} << (slot & 63));
   --num_free_[lv];
   if (IsProtectedSlot(slot)) --num_protected_[lv];
+  if (slot == 0) --num_scratch_[lv];
   if (slab_blocks_ > 0 && lv == 0) SlabLost(b);
 }
 
@@ -145,6 +147,16 @@ int EvictionPolicy::QueuedPriority(BlockId b) const {
 bool EvictionPolicy::QueuedProtected(BlockId b) const {
   KVC_CHECK(links_[b].queue >= 0, "block is not free");
   return IsProtectedSlot(links_[b].queue % kQueuesPerLevel);
+}
+
+BlockId EvictionPolicy::PeekCached(CacheLevel level) const {
+  const int lv = static_cast<int>(level);
+  for (int word = 0; word < kMaskWords; ++word) {
+    std::uint64_t bits = occupied_[lv][word];
+    if (word == 0) bits &= ~std::uint64_t{1};  // not the scratch queue
+    if (bits != 0) return head_[QueueIndex(level, word * 64 + __builtin_ctzll(bits))];
+  }
+  return kNullBlock;
 }
 
 BlockId EvictionPolicy::Peek(CacheLevel level) const {

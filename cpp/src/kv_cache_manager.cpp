@@ -254,7 +254,6 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   borrow_.assign(window_sizes_.size(), 0);
   lendable_.assign(window_sizes_.size(), 0);
-  spare_.assign(window_sizes_.size(), 0);
   if (lending_) {
     for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
   }
@@ -397,7 +396,6 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
   switch (how) {
     case Handout::kFresh:
       KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
-      if (lending_) BorrowIfCheaper(w);
       slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
       break;
     case Handout::kShare:
@@ -413,11 +411,10 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
-      if (lending_) BorrowIfCheaper(w);
       slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
       break;
   }
-  InvalidateDisplaced(seq);
+  if (!displaced_.empty()) InvalidateDisplaced(seq);
   return slot;
 }
 
@@ -447,7 +444,6 @@ std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
   std::int64_t short_slabs = 0;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     borrow_[w] = 0;
-    spare_[w] = available[w] - need[w];
     if (available[w] >= need[w]) continue;
     if (first_short < 0) first_short = static_cast<std::int64_t>(w);
     if (lending_) {
@@ -493,44 +489,44 @@ void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
       const std::int32_t slab =
           windows_[donor]->LendSlab(keep == nullptr ? nullptr : &(*keep)[donor], &lent_displaced_);
       windows_[w]->AdoptSlab(slab);
-      spare_[donor] -= windows_[donor]->blocks_per_slab();
-      spare_[w] += windows_[w]->blocks_per_slab();
       ++lent_slabs_;
     }
   }
   InvalidateLent();
 }
 
-void KVCacheManager::BorrowIfCheaper(std::size_t w) {
+void KVCacheManager::Rebalance() {
   // Under "invalidate" a sliding window's eviction drops the chain below the block and a
   // reclaimed out-of-window block stops its releaser from storing anything, costs the keys do
-  // not see: moving eviction pressure between windows measured worse there (bench/README.md),
-  // so only shortages move slabs.
-  if (swa_policy_ == SwaReusePolicy::kInvalidate) return;
-  WindowBlockManager& wm = *windows_[w];
-  const BlockId own = wm.policy().Peek(CacheLevel::kPrimary);
-  if (own == kNullBlock) return;  // planned moves cover a shortage
-  const WindowBlockManager::EvictionKey than = wm.EvictionKeyOf(own);
-  if (than.rank < 0) return;  // its own victim holds nothing
-  std::size_t donor = windows_.size();
-  std::int32_t slab = -1;
-  WindowBlockManager::EvictionKey best = than;
-  for (std::size_t v = 0; v < windows_.size(); ++v) {
-    const WindowBlockManager& dm = *windows_[v];
-    if (v == w || spare_[v] < dm.blocks_per_slab()) continue;
-    const std::int32_t s = dm.CheaperSlab(best, keep_ == nullptr ? nullptr : &(*keep_)[v]);
-    if (s < 0) continue;
-    donor = v;
-    slab = s;
-    best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
+  // not see: moving eviction pressure between windows measured worse there (bench/README.md).
+  const bool move = swa_policy_ != SwaReusePolicy::kInvalidate;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    WindowBlockManager& wm = *windows_[w];
+    // As many scratch blocks as it evicted cached ones in the step, so that the next step's
+    // allocations need not evict its cache while other windows hold cheaper blocks.
+    const std::int64_t wanted = wm.TakeCachedEvictions();
+    while (move && wm.policy().NumScratch(CacheLevel::kPrimary) < wanted) {
+      const BlockId own = wm.policy().PeekCached(CacheLevel::kPrimary);
+      if (own == kNullBlock) break;
+      std::size_t donor = windows_.size();
+      std::int32_t slab = -1;
+      WindowBlockManager::EvictionKey best = wm.EvictionKeyOf(own);
+      for (std::size_t v = 0; v < windows_.size(); ++v) {
+        if (v == w) continue;
+        const WindowBlockManager& dm = *windows_[v];
+        const std::int32_t s = dm.CheaperSlab(best, nullptr);
+        if (s < 0) continue;
+        donor = v;
+        slab = s;
+        best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
+      }
+      if (donor == windows_.size()) break;
+      windows_[donor]->LendSlabAt(slab, &lent_displaced_);
+      InvalidateLent();
+      wm.AdoptSlab(slab);
+      ++lent_slabs_;
+    }
   }
-  if (donor == windows_.size()) return;
-  windows_[donor]->LendSlabAt(slab, &lent_displaced_);
-  InvalidateLent();
-  wm.AdoptSlab(slab);
-  spare_[donor] -= windows_[donor]->blocks_per_slab();
-  spare_[w] += wm.blocks_per_slab();
-  ++lent_slabs_;
 }
 
 std::string KVCacheManager::LendNote(std::size_t w) const {
@@ -615,6 +611,9 @@ void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const 
   };
   if (n == 0) fail("the prompt is empty");
   if (n > static_cast<std::size_t>(max_seq_len_)) fail("prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
+  TokenId any = 0;  // one branch-free pass; the bad token is looked for only on failure
+  for (std::size_t i = 0; i < n; ++i) any |= tokens[i];
+  if (any >= 0) return;
   for (std::size_t i = 0; i < n; ++i) {
     if (tokens[i] < 0) fail("token ", i, " is negative (", tokens[i], ")");
   }
@@ -813,11 +812,6 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
   // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
   MoveSlabs(lending_ ? &keep : nullptr);
-  struct KeepScope {
-    const std::vector<std::vector<BlockId>>** keep;
-    ~KeepScope() { *keep = nullptr; }
-  } keep_scope{&keep_};
-  keep_ = lending_ ? &keep : nullptr;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
   }
@@ -983,8 +977,6 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       if (!batch_counted_[w]) batch_available_[w] += released(w);
     }
-  } else if (lending_) {
-    for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) spare_[w] = batch_available_[w] - need;
   }
   if (short_of_blocks) {
     const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), batch_available_);

@@ -380,7 +380,8 @@ void KVCacheManager::RefreshBlocks() {
   std::lock_guard<std::mutex> lock(mu_);
   const std::int64_t now = NowMs();
   for (auto& wm : windows_) wm->RefreshPriorities(now);
-  backend_->Synchronize();
+  if (lending_) Rebalance();
+  backend_->Synchronize();  // offloads of lent cached blocks too
 }
 
 std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std::size_t n,

@@ -238,6 +238,7 @@ BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expi
                                     std::vector<SeqId>* displaced) {
   const BlockId b = policy_.Peek(CacheLevel::kPrimary);
   KVC_CHECK(b != kNullBlock, detail::Concat("window ", window_, " has no free block to hand out"));
+  if (state_[b].node != kNoNode) ++cached_evictions_;
   return Grant(b, owner, priority, expiry_ms, /*offload=*/true, displaced);
 }
 
@@ -377,7 +378,8 @@ void WindowBlockManager::Link(BlockId b, NodeId node) {
 void WindowBlockManager::Drop(BlockId b) {
   const NodeId n = state_[b].node;
   KVC_CHECK(n != kNoNode, "drop of an uncached block");
-  std::vector<NodeId> nodes = {n};
+  std::vector<NodeId>& nodes = drop_nodes_;  // reused: Drop never runs inside another Drop
+  nodes.assign(1, n);
   if (options_.cascade_on_evict && !is_swa_) {
     // Full attention stores whole chains and drops whole subtrees, so its blocks are
     // prefix-closed (CheckInvariants verifies it): below a node without a block of this window

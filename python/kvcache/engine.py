@@ -635,6 +635,8 @@ class Engine:
             r.append_tokens([int(tok)])
             logits[r.request_id] = row_logits.cpu()
         self._rm.update_resources(batch)
+        # Once per step: expired priorities, and (lend_free_memory) memory moved between steps.
+        self._manager.refresh_blocks()
         self._counters["steps"] += 1
         self._counters["computed_tokens"] += len(tokens)
         self._counters["generated_tokens"] += len(sample)

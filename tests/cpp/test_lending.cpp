@@ -118,7 +118,7 @@ TEST(LendingTest, LentCachedBlockLeavesTheTreeAndItsReleaserBecomesInvalid) {
   m.CheckInvariants();
 }
 
-TEST(LendingTest, AWindowTakesAnotherWindowsScratchBlockBeforeEvictingItsCache) {
+TEST(LendingTest, BetweenStepsAWindowThatEvictedCacheTakesAnotherWindowsCheaperSlab) {
   ManagerConfig c = LendConfig({{4, 2}, {16, 6}});  // window 4: ids 0, 1; full: ids 2-7
   c.enable_block_reuse = true;
   KVCacheManager m(testing::Model(2), c);
@@ -126,28 +126,45 @@ TEST(LendingTest, AWindowTakesAnotherWindowsScratchBlockBeforeEvictingItsCache) 
   m.AddSequence(1, p.data(), p.size());  // window 4: 0 1; full: 2 3
   m.RemoveSequence(1);                   // both windows cache 7 tokens (a full and a partial block)
   EXPECT_EQ(m.CachedBlockHashes(4).size(), 2u);
-  EXPECT_EQ(m.GetNumFreeBlocks(4), 2 + 6);
-  // Window 4 has free blocks, but both hold cached content; full attention's next victim is
-  // scratch block 4. Window 4 takes that slab instead of evicting its own block 1.
+  // Inside a step nothing moves: window 4's free blocks both hold cached content, and it
+  // evicts its partial block 1 although full attention has scratch blocks.
   auto q = Iota(4, 100);
   m.AddSequence(2, q.data(), q.size());
-  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{4}));
-  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{5}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{1}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{4}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);
+  EXPECT_EQ(m.GetStats().lent_slabs, 0);
+  // Between steps: window 4 evicted one cached block; full's next victim (scratch block 5) is
+  // cheaper than window 4's (cached block 0), so slab 5 moves.
+  m.RefreshBlocks();
   EXPECT_EQ(m.GetStats().lent_slabs, 1);
   EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 3}, {16, 5}}));
-  EXPECT_EQ(m.CachedBlockHashes(4).size(), 2u);  // nothing of its cache was lost
-  EXPECT_EQ(m.GetReusablePrefixLength(p.data(), p.size(), {}), 7);
   m.CheckInvariants();
-  // 3 blocks each: window 4 has 2 free and first borrows full's next victim, scratch slab 6
-  // (planned: full can spare one block). Then full can spare nothing more, so window 4
-  // evicts its own cached blocks 1 and 0, and full takes 7 and its cached 3 and 2.
-  auto r = Iota(12, 200);
+  m.RefreshBlocks();  // no eviction since: nothing moves
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  // The next request's window-4 block is the borrowed scratch one: block 0 keeps its prefix.
+  auto r = Iota(4, 200);
   m.AddSequence(3, r.data(), r.size());
-  EXPECT_EQ(m.GetCacheBlockIds(3, 4), (std::vector<BlockId>{6, 1, 0}));
-  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{7, 3, 2}));
-  EXPECT_EQ(m.GetStats().lent_slabs, 2);
-  EXPECT_TRUE(m.CachedBlockHashes(4).empty());
+  EXPECT_EQ(m.GetCacheBlockIds(3, 4), (std::vector<BlockId>{5}));
+  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{6}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);
+  EXPECT_EQ(m.GetReusablePrefixLength(p.data(), p.size(), {}), 4);
   m.CheckInvariants();
+}
+
+TEST(LendingTest, NothingMovesBetweenStepsUnderInvalidate) {
+  ManagerConfig c = LendConfig({{4, 2}, {16, 6}});
+  c.enable_block_reuse = true;
+  c.swa_reuse_policy = SwaReusePolicy::kInvalidate;
+  KVCacheManager m(testing::Model(2), c);
+  auto p = Iota(8);
+  m.AddSequence(1, p.data(), p.size());
+  m.RemoveSequence(1);
+  auto q = Iota(4, 100);
+  m.AddSequence(2, q.data(), q.size());
+  m.RefreshBlocks();
+  EXPECT_EQ(m.GetStats().lent_slabs, 0);
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 2}, {16, 6}}));
 }
 
 TEST(LendingTest, UnequalBlockSizesMoveWholeSlabs) {

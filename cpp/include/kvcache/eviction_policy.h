@@ -59,6 +59,10 @@ class EvictionPolicy {
   std::int32_t NumProtected(CacheLevel level) const { return num_protected_[static_cast<int>(level)]; }
   /// The block to hand out next at `level` (lowest priority, oldest), or kNullBlock if none.
   BlockId Peek(CacheLevel level) const;
+  /// The first block Peek would hand out after every scratch block of `level`, or kNullBlock.
+  BlockId PeekCached(CacheLevel level) const;
+  /// Free blocks of `level` in the scratch queue.
+  std::int32_t NumScratch(CacheLevel level) const { return num_scratch_[static_cast<int>(level)]; }
   /// Number of free blocks at `level`.
   std::int32_t NumFree(CacheLevel level) const { return num_free_[static_cast<int>(level)]; }
   /// Visits the queued blocks of `level` in hand-out order.
@@ -111,6 +115,7 @@ class EvictionPolicy {
   std::array<std::array<std::uint64_t, kMaskWords>, 2> occupied_{};  // per level, bit per slot
   std::array<std::int32_t, 2> num_free_{};
   std::array<std::int32_t, 2> num_protected_{};
+  std::array<std::int32_t, 2> num_scratch_{};
   std::array<std::int32_t, 2> protected_cap_{};
   double protected_fraction_;
   // Slabs: free blocks per slab and an intrusive FIFO of the slabs with every block free.

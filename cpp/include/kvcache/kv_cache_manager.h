@@ -237,6 +237,8 @@ class KVCacheManager {
   /// every window when `window` is nullopt (block ids are then those of the full-attention window).
   void UnpinBlocksById(const std::vector<BlockId>& blocks, std::optional<WindowSize> window);
   /// Once per engine step: timed priorities that expired return to the default; copies finish.
+  /// Under lend_free_memory also moves slabs towards windows that evicted cached blocks in the
+  /// step, from windows whose next victims are cheaper to lose (see Rebalance).
   void RefreshBlocks();
   /// What AddSequence would return now for this prompt, without changing anything.
   std::int32_t GetReusablePrefixLength(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
@@ -401,11 +403,12 @@ class KVCacheManager {
   void MoveSlabs(const std::vector<std::vector<BlockId>>* keep = nullptr);
   /// Marks every sequence in lent_displaced_ invalid for reuse and clears it.
   void InvalidateLent();
-  /// Before window w takes a fresh block under lending: if its next victim holds cached
-  /// content and another window's next victim is cheaper to lose (scratch, or cached at a lower
-  /// priority or longer unused) in a wholly free slab that window can spare this call, that
-  /// slab moves to w first. So the windows evict, in effect, in one order.
-  void BorrowIfCheaper(std::size_t w);
+  /// Between steps (RefreshBlocks) under lending: a window that evicted cached blocks since
+  /// the last call takes, up to that many blocks, wholly free slabs of other windows whose next
+  /// victims are cheaper to lose than its own (scratch, lower priority or longer unused). So
+  /// the windows evict, in effect, in one order, while inside a step the free blocks the
+  /// scheduler planned with stay where they were.
+  void Rebalance();
   /// " (with N more that other windows can lend)" under lending, else "".
   std::string LendNote(std::size_t w) const;
   /// GetNumFreeBlocks of window index w (the lock held).
@@ -444,11 +447,6 @@ class KVCacheManager {
   bool lending_ = false;
   std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
   std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
-  // During one allocating call under lending: blocks each window has beyond what the call
-  // needs from it (BorrowIfCheaper lends only from that), and blocks the call reuses or copies
-  // from (never lent).
-  std::vector<std::int64_t> spare_;
-  const std::vector<std::vector<BlockId>>* keep_ = nullptr;
   std::uint64_t evict_clock_ = 0;  // eviction stamps shared by the windows
   std::vector<SeqId> lent_displaced_;  // releasers of blocks being lent
   std::int64_t lent_slabs_ = 0;

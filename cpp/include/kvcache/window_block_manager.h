@@ -133,6 +133,12 @@ class WindowBlockManager {
   /// dropped from the tree) and gets a new generation; live sequences that had released one
   /// out of window are appended to *displaced. Returns the slab. Precondition: one qualifies.
   std::int32_t LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced);
+  /// Cached blocks that Acquire evicted since the last call (and resets the count).
+  std::int64_t TakeCachedEvictions() {
+    const std::int64_t n = cached_evictions_;
+    cached_evictions_ = 0;
+    return n;
+  }
   /// Gives up wholly free slab `slab` (as LendSlab).
   void LendSlabAt(std::int32_t slab, std::vector<SeqId>* displaced);
 
@@ -253,7 +259,9 @@ class WindowBlockManager {
   std::int32_t slab_blocks_ = 0;
   std::vector<char> slab_owned_;
   std::int32_t owned_primary_ = 0;
+  std::vector<NodeId> drop_nodes_;    // Drop's work list, kept to avoid an allocation per drop
   std::uint64_t* clock_ = nullptr;    // eviction stamps (lending only)
+  std::int64_t cached_evictions_ = 0;  // Acquire's victims that held cached content
   std::vector<std::uint64_t> stamp_;  // per primary block: when it was last queued
   std::size_t allocated_bytes_ = 0;
   // Per-block state, one struct per block, so a hand-out or a release touches one cache line.
