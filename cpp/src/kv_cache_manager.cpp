@@ -257,7 +257,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   if (lending_) {
     for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
   }
-  batch_available_.assign(window_sizes_.size(), 0);
+  check_need_.assign(window_sizes_.size(), 0);
+  check_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
@@ -437,33 +438,45 @@ std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::i
   return std::max<std::int64_t>(0, std::min(slabs, (available_v - need_v) / m));
 }
 
-std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
-                                        const std::vector<std::int64_t>& available,
-                                        const std::vector<std::vector<BlockId>>* keep) {
+std::int64_t KVCacheManager::FirstUnserved(const std::vector<std::int64_t>& need,
+                                           const std::vector<std::int64_t>& available,
+                                           const std::vector<std::vector<BlockId>>* keep, bool over_calls,
+                                           std::vector<std::int64_t>* borrow,
+                                           std::vector<std::int64_t>* lendable) const {
   std::int64_t first_short = -1;
   std::int64_t short_slabs = 0;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    borrow_[w] = 0;
-    if (available[w] >= need[w]) continue;
-    if (first_short < 0) first_short = static_cast<std::int64_t>(w);
-    if (lending_) {
-      borrow_[w] = CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab());
-      short_slabs += borrow_[w];
-    }
+    const bool short_w = available[w] < need[w];
+    if (short_w && first_short < 0) first_short = static_cast<std::int64_t>(w);
+    const std::int64_t slabs =
+        short_w && lending_ ? CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab()) : 0;
+    if (borrow != nullptr) (*borrow)[w] = slabs;
+    short_slabs += slabs;
   }
-  if (first_short < 0 || !lending_) {
-    std::fill(borrow_.begin(), borrow_.end(), 0);
-    return first_short;
-  }
-  std::int64_t lendable = 0;
+  if (first_short < 0 || !lending_) return first_short;
+  std::int64_t total = 0;
   for (std::size_t v = 0; v < windows_.size(); ++v) {
-    lendable_[v] =
-        borrow_[v] == 0 ? Lendable(v, need[v], available[v], keep == nullptr ? nullptr : &(*keep)[v], false) : 0;
-    lendable += lendable_[v];
+    const std::int64_t l = available[v] >= need[v]
+                               ? Lendable(v, need[v], available[v], keep == nullptr ? nullptr : &(*keep)[v], over_calls)
+                               : 0;
+    if (lendable != nullptr) (*lendable)[v] = l;
+    total += l;
   }
-  if (lendable >= short_slabs) return -1;
-  std::fill(borrow_.begin(), borrow_.end(), 0);
-  return first_short;
+  return total >= short_slabs ? -1 : first_short;
+}
+
+std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
+                                        const std::vector<std::int64_t>& available,
+                                        const std::vector<std::vector<BlockId>>* keep) {
+  const std::int64_t short_w = FirstUnserved(need, available, keep, /*over_calls=*/false, &borrow_, &lendable_);
+  if (short_w >= 0) std::fill(borrow_.begin(), borrow_.end(), 0);
+  return short_w;
+}
+
+void KVCacheManager::MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab) {
+  windows_[donor]->LendSlab(slab, &lent_displaced_);
+  windows_[w]->AdoptSlab(slab);
+  ++lent_slabs_;
 }
 
 void KVCacheManager::InvalidateLent() {
@@ -486,10 +499,7 @@ void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
       }
       KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " has no slab to borrow"));
       --lendable_[donor];
-      const std::int32_t slab =
-          windows_[donor]->LendSlab(keep == nullptr ? nullptr : &(*keep)[donor], &lent_displaced_);
-      windows_[w]->AdoptSlab(slab);
-      ++lent_slabs_;
+      MoveSlab(donor, w, windows_[donor]->SlabToLend(keep == nullptr ? nullptr : &(*keep)[donor]));
     }
   }
   InvalidateLent();
@@ -514,27 +524,22 @@ void KVCacheManager::Rebalance() {
       for (std::size_t v = 0; v < windows_.size(); ++v) {
         if (v == w) continue;
         const WindowBlockManager& dm = *windows_[v];
-        const std::int32_t s = dm.CheaperSlab(best, nullptr);
+        const std::int32_t s = dm.CheaperSlab(best);
         if (s < 0) continue;
         donor = v;
         slab = s;
         best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
       }
       if (donor == windows_.size()) break;
-      windows_[donor]->LendSlabAt(slab, &lent_displaced_);
-      InvalidateLent();
-      wm.AdoptSlab(slab);
-      ++lent_slabs_;
+      MoveSlab(donor, w, slab);
     }
   }
+  InvalidateLent();
 }
 
 std::string KVCacheManager::LendNote(std::size_t w) const {
   if (!lending_) return "";
-  std::int64_t blocks = 0;
-  for (std::size_t v = 0; v < windows_.size(); ++v) {
-    if (v != w) blocks += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
-  }
+  const std::int32_t blocks = FreeBlocksLocked(w) - windows_[w]->NumFreePrimary();
   return detail::Concat(" (counting ", blocks, " that the other windows' wholly free slabs could lend it alone)");
 }
 
@@ -751,9 +756,11 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   const std::vector<std::int32_t> need = PromptBlocksNeeded(plan, num_blocks, &front);
   std::vector<std::vector<BlockId>> keep;
   {
-    std::vector<std::int64_t> want(need.begin(), need.end());
-    std::vector<std::int64_t> available(windows_.size());
-    for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary();
+    std::vector<std::int64_t>& available = check_available_;
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      check_need_[w] = need[w];
+      available[w] = windows_[w]->NumFreePrimary();
+    }
     if (lending_) {  // what this call claims or copies from is not lent
       keep.resize(windows_.size());
       for (std::size_t w = 0; w < windows_.size(); ++w) {
@@ -763,7 +770,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
         if (has_partial) keep[w].push_back(plan.partial_src[w]);
       }
     }
-    const std::int64_t short_w = PlanBlocks(want, available, lending_ ? &keep : nullptr);
+    const std::int64_t short_w = PlanBlocks(check_need_, available, lending_ ? &keep : nullptr);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
@@ -874,7 +881,8 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
   const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
   const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
   if (need > 0) {
-    std::vector<std::int64_t> available(windows_.size());
+    std::vector<std::int64_t>& available = check_available_;
+    std::fill(check_need_.begin(), check_need_.end(), need);
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       const WindowBlockManager& wm = *windows_[w];
       const SequenceWindow& sw = seq.windows[w];
@@ -883,7 +891,7 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
         available[w] += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
       }
     }
-    const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), available);
+    const std::int64_t short_w = PlanBlocks(check_need_, available);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("prefill: request ", id, " needs ", need, " new blocks in window ",
@@ -965,7 +973,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   };
   bool short_of_blocks = false;
   for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
-    std::int64_t& available = batch_available_[w];
+    std::int64_t& available = check_available_[w];
     available = windows_[w]->NumFreePrimary();
     batch_counted_[w] = 0;
     if (available >= need) continue;
@@ -975,15 +983,16 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   }
   if (short_of_blocks && lending_) {  // the others lend what they keep beyond their need
     for (std::size_t w = 0; w < windows_.size(); ++w) {
-      if (!batch_counted_[w]) batch_available_[w] += released(w);
+      if (!batch_counted_[w]) check_available_[w] += released(w);
     }
   }
   if (short_of_blocks) {
-    const std::int64_t short_w = PlanBlocks(std::vector<std::int64_t>(windows_.size(), need), batch_available_);
+    std::fill(check_need_.begin(), check_need_.end(), need);
+    const std::int64_t short_w = PlanBlocks(check_need_, check_available_);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                            " but only ", batch_available_[w], " can be freed or are free",
+                                            " but only ", check_available_[w], " can be freed or are free",
                                             LendNote(w)));
     }
   }
@@ -1148,20 +1157,7 @@ bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need)
     want[w] = std::max(n, 0);
     available[w] += std::max(-n, 0);  // a credit
   }
-  bool short_of_blocks = false;
-  for (std::size_t w = 0; w < windows_.size(); ++w) short_of_blocks = short_of_blocks || available[w] < want[w];
-  if (!short_of_blocks) return true;
-  if (!lending_) return false;
-  std::int64_t short_slabs = 0;
-  std::int64_t lendable = 0;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (available[w] < want[w]) {
-      short_slabs += CeilDiv(want[w] - available[w], windows_[w]->blocks_per_slab());
-    } else {
-      lendable += Lendable(w, want[w], available[w], nullptr, /*over_calls=*/true);
-    }
-  }
-  return lendable >= short_slabs;
+  return FirstUnserved(want, available, nullptr, /*over_calls=*/true, nullptr, nullptr) < 0;
 }
 
 bool KVCacheManager::FitsWhenEmpty(const std::map<WindowSize, std::int32_t>& need) const {

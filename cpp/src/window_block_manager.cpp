@@ -122,14 +122,13 @@ WindowBlockManager::EvictionKey WindowBlockManager::EvictionKeyOf(BlockId b) con
                      stamp_.empty() ? 0 : stamp_[static_cast<std::size_t>(b)]};
 }
 
-std::int32_t WindowBlockManager::CheaperSlab(const EvictionKey& than, const std::vector<BlockId>* keep) const {
+std::int32_t WindowBlockManager::CheaperSlab(const EvictionKey& than) const {
   const BlockId victim = policy_.Peek(CacheLevel::kPrimary);
   if (slab_blocks_ == 0 || victim == kNullBlock || !(EvictionKeyOf(victim) < than)) return -1;
   const std::int32_t slab = victim / slab_blocks_;
   if (!policy_.SlabListed(slab)) return -1;
   for (BlockId b = slab * slab_blocks_; b < (slab + 1) * slab_blocks_; ++b) {
     if (!(EvictionKeyOf(b) < than)) return -1;
-    if (keep != nullptr && std::find(keep->begin(), keep->end(), b) != keep->end()) return -1;
   }
   return slab;
 }
@@ -188,7 +187,7 @@ BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int
   return b;
 }
 
-std::int32_t WindowBlockManager::LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced) {
+std::int32_t WindowBlockManager::SlabToLend(const std::vector<BlockId>* keep) const {
   KVC_CHECK(slab_blocks_ > 0, "lending needs slabs");
   auto kept = [&](std::int32_t s) {
     if (keep == nullptr) return false;
@@ -204,11 +203,10 @@ std::int32_t WindowBlockManager::LendSlab(const std::vector<BlockId>* keep, std:
     while (slab >= 0 && kept(slab)) slab = policy_.NextFreeSlab(slab);
   }
   KVC_CHECK(slab >= 0, detail::Concat("window ", window_, " has no wholly free slab to lend"));
-  LendSlabAt(slab, displaced);
   return slab;
 }
 
-void WindowBlockManager::LendSlabAt(std::int32_t slab, std::vector<SeqId>* displaced) {
+void WindowBlockManager::LendSlab(std::int32_t slab, std::vector<SeqId>* displaced) {
   KVC_CHECK(slab_blocks_ > 0 && slab >= 0 && OwnsSlab(slab) && policy_.SlabListed(slab),
             detail::Concat("window ", window_, ": slab ", slab, " is not wholly free"));
   const BlockId first = slab * slab_blocks_;

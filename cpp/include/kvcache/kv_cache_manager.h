@@ -393,6 +393,15 @@ class KVCacheManager {
   /// changes anything else.
   std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
                           const std::vector<std::vector<BlockId>>* keep = nullptr);
+  /// The check behind PlanBlocks and CanAllocate: the first window that neither its own blocks
+  /// nor what the others can lend serve, or -1. Fills *borrow (slabs per short window) and
+  /// *lendable (slabs per donor) when given.
+  std::int64_t FirstUnserved(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
+                             const std::vector<std::vector<BlockId>>* keep, bool over_calls,
+                             std::vector<std::int64_t>* borrow, std::vector<std::int64_t>* lendable) const;
+  /// The one door of a slab between windows: `donor` lends `slab` (its releasers are collected
+  /// in lent_displaced_ for InvalidateLent) and window w adopts it.
+  void MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab);
   /// What window v could lend now while keeping `need_v` of its `available_v` blocks, in slabs;
   /// `over_calls`: the blocks are taken by several calls (CanAllocate for a whole step), so the
   /// donor's own blocks may be taken before the slabs move.
@@ -466,8 +475,11 @@ class KVCacheManager {
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;
   std::vector<BlockId> shared_release_;
-  std::vector<std::int64_t> batch_available_;  // per window: blocks AddTokens can hand out
-  std::vector<char> batch_counted_;            // per window: batch_available_ counts releases
+  // Per window, the blocks check of AddSequence, Prefill and AddTokens (kept: no allocation
+  // per call): blocks needed, blocks it can hand out, and (AddTokens) whether releases count.
+  std::vector<std::int64_t> check_need_;
+  std::vector<std::int64_t> check_available_;
+  std::vector<char> batch_counted_;
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
   mutable std::mutex mu_;
 };

@@ -127,20 +127,20 @@ class WindowBlockManager {
   bool Owns(BlockId b) const { return slab_blocks_ == 0 || slab_owned_[static_cast<std::size_t>(b / slab_blocks_)] != 0; }
   /// Owned slabs whose blocks are all free (what the window can lend now).
   std::int32_t NumFreeSlabs() const { return policy_.NumFreeSlabs(); }
-  /// Gives up one owned slab whose blocks are all free and hold none of `keep` (may be null):
-  /// the slab of the next eviction victim if it qualifies, else the one wholly free the longest
-  /// that does. Each of its blocks ends its cached identity (offloaded when allowed, else
-  /// dropped from the tree) and gets a new generation; live sequences that had released one
-  /// out of window are appended to *displaced. Returns the slab. Precondition: one qualifies.
-  std::int32_t LendSlab(const std::vector<BlockId>* keep, std::vector<SeqId>* displaced);
+  /// The owned slab to lend when one must be: wholly free and holding none of `keep` (may be
+  /// null); the slab of the next eviction victim if it qualifies, else the one wholly free the
+  /// longest that does. Precondition: one qualifies.
+  std::int32_t SlabToLend(const std::vector<BlockId>* keep) const;
   /// Cached blocks that Acquire evicted since the last call (and resets the count).
   std::int64_t TakeCachedEvictions() {
     const std::int64_t n = cached_evictions_;
     cached_evictions_ = 0;
     return n;
   }
-  /// Gives up wholly free slab `slab` (as LendSlab).
-  void LendSlabAt(std::int32_t slab, std::vector<SeqId>* displaced);
+  /// Gives up wholly free slab `slab`: each of its blocks ends its cached identity (offloaded
+  /// when allowed, else dropped from the tree) and gets a new generation; live sequences that
+  /// had released one out of window are appended to *displaced.
+  void LendSlab(std::int32_t slab, std::vector<SeqId>* displaced);
 
   /// Where a free primary block stands in the eviction order: scratch blocks first (rank -1),
   /// then cached ones by priority, probation before protected (rank 2 * priority + protected),
@@ -154,9 +154,9 @@ class WindowBlockManager {
   void EnableEvictionKeys(std::uint64_t* clock);
   EvictionKey EvictionKeyOf(BlockId b) const;
   /// The slab of this window's next victim if lending it costs less than evicting a block of
-  /// key `than`: the slab is wholly free, holds no block of `keep` (may be null) and none of
-  /// its blocks ranks at or above `than`. -1 otherwise.
-  std::int32_t CheaperSlab(const EvictionKey& than, const std::vector<BlockId>* keep) const;
+  /// key `than`: the slab is wholly free and none of its blocks ranks at or above `than`. -1
+  /// otherwise.
+  std::int32_t CheaperSlab(const EvictionKey& than) const;
   /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
   /// queue.
   void AdoptSlab(std::int32_t slab);
