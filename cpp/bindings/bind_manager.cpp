@@ -106,6 +106,13 @@ using EventBufferMaxSize = Int<std::size_t, kEventBufferMaxSize>;
 using DiskBlocksPerWindow = std::map<Int<WindowSize, kDiskBlocksKey, 1>, Int<std::int32_t, kDiskBlocksCount, 0>>;
 using BlocksNeeded = std::map<Int<WindowSize, kNeedWindow, 1>, Int<std::int32_t, kNeedCount>>;
 
+/// can_allocate / fits_when_empty: {window: blocks} with every key and count range-checked.
+std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::dict& blocks) {
+  std::map<WindowSize, std::int32_t> need;
+  for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
+  return need;
+}
+
 template <typename T, const char* Name, T Lo, T Hi>
 std::optional<T> Unwrap(const std::optional<Int<T, Name, Lo, Hi>>& arg) {
   if (!arg.has_value()) return std::nullopt;
@@ -961,22 +968,14 @@ void BindManager(pybind11::module_& m) {
           "Primary blocks that can be handed out now; without window_size the minimum over windows.")
       .def(
           "can_allocate",
-          [](const M& self, const pybind11::dict& blocks) {
-            std::map<WindowSize, std::int32_t> need;
-            for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
-            return self.CanAllocate(need);
-          },
+          [](const M& self, const pybind11::dict& blocks) { return self.CanAllocate(ToBlocksNeeded(blocks)); },
           pybind11::arg("blocks"),
           "Whether every window can hand out blocks[window] blocks at once now (windows not named "
           "need none; a negative count is a credit: the window frees that many first); under "
           "lend_free_memory the windows compete for the same lendable memory.")
       .def(
           "fits_when_empty",
-          [](const M& self, const pybind11::dict& blocks) {
-            std::map<WindowSize, std::int32_t> need;
-            for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
-            return self.FitsWhenEmpty(need);
-          },
+          [](const M& self, const pybind11::dict& blocks) { return self.FitsWhenEmpty(ToBlocksNeeded(blocks)); },
           pybind11::arg("blocks"),
           "Whether an empty manager could hold blocks[window] blocks of every window at once.")
       .def(

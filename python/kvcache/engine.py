@@ -144,6 +144,11 @@ def _model_config(hf_model: Any) -> ModelConfig:
 # --------------------------------------------------------------------------------------
 
 
+def _alternating(n: int) -> list[str]:
+    """Layer types of ``n`` layers: sliding, full, sliding, ... (Gemma-2, gpt-oss)."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
 def tiny_config(
     family: str,
     *,
@@ -190,7 +195,7 @@ def tiny_config(
         n = num_layers or 4
         return transformers.Gemma2Config(
             num_hidden_layers=n,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            layer_types=_alternating(n),
             attn_logit_softcapping=5.0,
             final_logit_softcapping=30.0,
             query_pre_attn_scalar=16,
@@ -202,7 +207,7 @@ def tiny_config(
         n = num_layers or 4
         return transformers.GptOssConfig(
             num_hidden_layers=n,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            layer_types=_alternating(n),
             num_local_experts=4,
             num_experts_per_tok=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
