@@ -246,8 +246,10 @@ void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector
   // One branch-free pass finds whether any value is out of range (the common case: none, and
   // the loop vectorizes), then a plain copy; only a bad value takes the loop naming it.
   bool bad = false;
-  for (std::size_t i = 0; i < n; ++i) {
-    bad |= data[i] < 0 || static_cast<std::uint64_t>(data[i]) > static_cast<std::uint64_t>(INT32_MAX);
+  if constexpr (sizeof(T) <= sizeof(TokenId)) {
+    for (std::size_t i = 0; i < n; ++i) bad |= data[i] < 0;
+  } else {
+    for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint64_t>(data[i]) > static_cast<std::uint64_t>(INT32_MAX);
   }
   if (bad) {
     for (std::size_t i = 0; i < n; ++i) {
@@ -812,10 +814,10 @@ void BindManager(pybind11::module_& m) {
           [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
              const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal) {
             if (pybind11::isinstance<PreparedPrompt>(tokens)) ThrowInvalid("prepare: the prompt is already prepared");
-            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
+            std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             const ReuseExtras extras = MakeExtras(lora_task_id, cache_salt, multimodal);
             pybind11::gil_scoped_release release;
-            return std::make_shared<PreparedPrompt>(self.Prepare(toks.data(), toks.size(), extras));
+            return std::make_shared<PreparedPrompt>(self.Prepare(std::move(toks), extras));
           },
           pybind11::arg("tokens"), pybind11::arg("lora_task_id") = pybind11::none(),
           pybind11::arg("cache_salt") = pybind11::none(), pybind11::arg("multimodal") = std::vector<MultimodalArg>{})

@@ -70,21 +70,7 @@ void EvictionPolicy::SlabLost(BlockId b) {
 }
 
 void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
-  links_[b].queue = static_cast<std::int16_t>(q);
-  if (head_[q] == kNullBlock) {
-    links_[b].prev = links_[b].next = kNullBlock;
-    head_[q] = tail_[q] = b;
-  } else if (to_front) {
-    links_[b].prev = kNullBlock;
-    links_[b].next = head_[q];
-    links_[head_[q]].prev = b;
-    head_[q] = b;
-  } else {
-    links_[b].next = kNullBlock;
-    links_[b].prev = tail_[q];
-    links_[tail_[q]].next = b;
-    tail_[q] = b;
-  }
+  Chain(b, q, to_front);
   const int lv = q / kQueuesPerLevel;
   const int slot = q % kQueuesPerLevel;
   occupied_[lv][slot >> 6] |= std::uint64_t{1} << (slot & 63);
@@ -92,6 +78,78 @@ void EvictionPolicy::Insert(BlockId b, int q, bool to_front) {
   if (IsProtectedSlot(slot)) ++num_protected_[lv];
   if (slot == 0) ++num_scratch_[lv];
   if (slab_blocks_ > 0 && lv == 0) SlabGained(b);
+}
+
+void EvictionPolicy::PushScratchN(CacheLevel level, const BlockId* blocks, std::int32_t n, bool to_front) {
+  if (n <= 0) return;
+  const int lv = static_cast<int>(level);
+  const int q = QueueIndex(level, 0);
+  const auto queue = static_cast<std::int16_t>(q);
+  if (!to_front) {  // appended in order: ..., old tail, blocks[0], ..., blocks[n - 1]
+    BlockId prev = tail_[q];
+    for (std::int32_t i = 0; i < n; ++i) {
+      Link& l = links_[blocks[i]];
+      l.queue = queue;
+      l.prev = prev;
+      l.next = i + 1 < n ? blocks[i + 1] : kNullBlock;
+      prev = blocks[i];
+    }
+    if (tail_[q] != kNullBlock) {
+      links_[tail_[q]].next = blocks[0];
+    } else {
+      head_[q] = blocks[0];
+    }
+    tail_[q] = blocks[n - 1];
+  } else {  // each pushed to the front in turn: blocks[n - 1], ..., blocks[0], old head, ...
+    BlockId next = head_[q];
+    for (std::int32_t i = 0; i < n; ++i) {
+      Link& l = links_[blocks[i]];
+      l.queue = queue;
+      l.next = next;
+      l.prev = i + 1 < n ? blocks[i + 1] : kNullBlock;
+      next = blocks[i];
+    }
+    if (head_[q] != kNullBlock) {
+      links_[head_[q]].prev = blocks[0];
+    } else {
+      tail_[q] = blocks[0];
+    }
+    head_[q] = blocks[n - 1];
+  }
+  occupied_[lv][0] |= 1;
+  num_free_[lv] += n;
+  num_scratch_[lv] += n;
+  if (slab_blocks_ > 0 && lv == 0) {
+    for (std::int32_t i = 0; i < n; ++i) SlabGained(blocks[i]);
+  }
+}
+
+std::int32_t EvictionPolicy::PopScratch(CacheLevel level, std::int32_t n, BlockId* out) {
+  const int lv = static_cast<int>(level);
+  const int q = QueueIndex(level, 0);
+  const std::int32_t k = n < num_scratch_[lv] ? n : num_scratch_[lv];
+  BlockId b = head_[q];
+  for (std::int32_t i = 0; i < k; ++i) {
+    out[i] = b;
+    Link& l = links_[b];
+    l.queue = -1;
+    l.prev = kNullBlock;
+    b = l.next;
+    l.next = kNullBlock;
+  }
+  if (slab_blocks_ > 0 && lv == 0) {
+    for (std::int32_t i = 0; i < k; ++i) SlabLost(out[i]);
+  }
+  head_[q] = b;  // the first block left, or kNullBlock
+  if (b != kNullBlock) {
+    links_[b].prev = kNullBlock;
+  } else {
+    tail_[q] = kNullBlock;
+    occupied_[lv][0] &= ~std::uint64_t{1};
+  }
+  num_free_[lv] -= k;
+  num_scratch_[lv] -= k;
+  return k;
 }
 
 void EvictionPolicy::Erase(BlockId b) {

@@ -355,8 +355,13 @@ std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_token
 }
 
 void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
-  const std::int32_t target = ReleaseTarget(w, num_tokens);
-  while (seq.windows[w].front_null < target) Detach(seq, w, seq.windows[w].front_null, Leave::kOutOfWindow);
+  // ReleaseTarget(w, num_tokens) > front_null without its division: most calls (a decode step
+  // in the middle of a block) release nothing.
+  const SequenceWindow& sw = seq.windows[w];
+  const std::int64_t next_release = (static_cast<std::int64_t>(sw.front_null) + 1) * tpb_ + window_sizes_[w] +
+                                    max_draft_tokens_;
+  if (num_tokens < next_release || !windows_[w]->is_swa()) return;
+  Detach(seq, w, sw.front_null, ReleaseTarget(w, num_tokens), Leave::kOutOfWindow);
 }
 
 std::int64_t KVCacheManager::NowMs() const {
@@ -370,11 +375,15 @@ void KVCacheManager::SetFakeTimeMs(std::int64_t now_ms) {
   fake_now_ms_ = now_ms;
 }
 
-std::pair<int, std::int64_t> KVCacheManager::BlockPriority(const Sequence& seq, std::int32_t j) const {
+KVCacheManager::BlockPriorityRun KVCacheManager::BlockPriority(const Sequence& seq, std::int32_t j,
+                                                               std::int32_t last) const {
   const std::int64_t first = static_cast<std::int64_t>(j) * tpb_;
   std::int64_t duration = 0;
   int priority = seq.priority;
+  std::int32_t end = last;
   if (first < seq.prompt_len) {
+    // Prompt blocks: one run to the end of the prompt without ranges, else block by block.
+    end = seq.priority_ranges.empty() ? std::min(last, CeilDiv(seq.prompt_len, tpb_)) : j + 1;
     for (const PriorityRange& r : seq.priority_ranges) {
       if (first >= r.start && (r.end < 0 || first < r.end)) {
         priority = r.priority;
@@ -386,37 +395,46 @@ std::pair<int, std::int64_t> KVCacheManager::BlockPriority(const Sequence& seq, 
     priority = *seq.decode_priority;
     duration = seq.decode_duration_ms;
   }
-  return {priority, duration > 0 ? NowMs() + duration : 0};
+  return {priority, duration > 0 ? NowMs() + duration : 0, end};
 }
 
 BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b) {
   WindowBlockManager& wm = *windows_[w];
   BlockId& slot = seq.windows[w].blocks[static_cast<std::size_t>(j)];
-  const auto [priority, expiry] = BlockPriority(seq, j);
+  const BlockPriorityRun p = BlockPriority(seq, j, j + 1);
   displaced_.clear();
   switch (how) {
-    case Handout::kFresh:
-      KVC_DCHECK(slot == kNullBlock, "fresh block for an occupied position");
-      slot = wm.Acquire(seq.id, priority, expiry, &displaced_);
-      break;
     case Handout::kShare:
       KVC_DCHECK(slot == kNullBlock, "shared block for an occupied position");
       wm.Claim(b);
       wm.MarkHit(b);
-      if (seq.explicit_priority && wm.IsPrimary(b)) wm.SetPriority(b, priority, expiry);
+      if (seq.explicit_priority && wm.IsPrimary(b)) wm.SetPriority(b, p.priority, p.expiry_ms);
       slot = b;
       break;
     case Handout::kTakeOver:
       KVC_DCHECK(slot == kNullBlock, "takeover for an occupied position");
-      slot = wm.Grant(b, seq.id, priority, expiry, /*offload=*/false, &displaced_);
+      slot = wm.Grant(b, seq.id, p.priority, p.expiry_ms, /*offload=*/false, &displaced_);
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
-      slot = wm.Onboard(slot, seq.id, priority, expiry, &displaced_);
+      slot = wm.Onboard(slot, seq.id, p.priority, p.expiry_ms, &displaced_);
       break;
   }
   if (!displaced_.empty()) InvalidateDisplaced(seq);
   return slot;
+}
+
+void KVCacheManager::AttachFresh(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last) {
+  WindowBlockManager& wm = *windows_[w];
+  BlockId* slots = seq.windows[w].blocks.data();
+  displaced_.clear();
+  for (std::int32_t j = first; j < last;) {
+    const BlockPriorityRun p = BlockPriority(seq, j, last);
+    for (std::int32_t i = j; i < p.end; ++i) KVC_DCHECK(slots[i] == kNullBlock, "fresh block for an occupied position");
+    wm.AcquireN(p.end - j, seq.id, p.priority, p.expiry_ms, slots + j, &displaced_);
+    j = p.end;
+  }
+  if (!displaced_.empty()) InvalidateDisplaced(seq);
 }
 
 std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
@@ -555,26 +573,26 @@ void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
   }
 }
 
-void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t j, Leave why) {
+void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why) {
   WindowBlockManager& wm = *windows_[w];
   SequenceWindow& sw = seq.windows[w];
-  BlockId& slot = sw.blocks[static_cast<std::size_t>(j)];
-  KVC_DCHECK(slot != kNullBlock, "detach of an empty position");
+  BlockId* slots = sw.blocks.data();
+  for (std::int32_t j = first; j < last; ++j) KVC_DCHECK(slots[j] != kNullBlock, "detach of an empty position");
   switch (why) {
     case Leave::kOutOfWindow:
-      KVC_DCHECK(j == sw.front_null, "out-of-window release must be at the front");
-      sw.released.emplace_back(slot, wm.Generation(slot));
-      wm.Release(slot, /*to_front=*/false, /*released_by=*/seq.id);
-      ++sw.front_null;
+      KVC_DCHECK(first == sw.front_null, "out-of-window release must be at the front");
+      for (std::int32_t j = first; j < last; ++j) sw.released.emplace_back(slots[j], wm.Generation(slots[j]));
+      wm.ReleaseN(slots + first, last - first, /*reverse=*/false, /*to_front=*/false, /*released_by=*/seq.id);
+      sw.front_null = last;
       break;
     case Leave::kRewind:
-      wm.Release(slot, /*to_front=*/true);
+      wm.ReleaseN(slots + first, last - first, /*reverse=*/true, /*to_front=*/true);
       break;
     case Leave::kEnd:
-      wm.Release(slot);
+      wm.ReleaseN(slots + first, last - first, /*reverse=*/true);
       break;
   }
-  slot = kNullBlock;
+  std::fill(slots + first, slots + last, kNullBlock);
 }
 
 void KVCacheManager::ForgetReleases(const Sequence& seq) {
@@ -651,10 +669,16 @@ void KVCacheManager::CheckPrepared(const PreparedPrompt& prompt) const {
 }
 
 PreparedPrompt KVCacheManager::Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const {
-  ValidatePrompt(tokens, n, "prepare", -1);
+  return Prepare(std::vector<TokenId>(tokens, tokens + n), extras);
+}
+
+PreparedPrompt KVCacheManager::Prepare(std::vector<TokenId>&& tokens_in, const ReuseExtras& extras) const {
+  ValidatePrompt(tokens_in.data(), tokens_in.size(), "prepare", -1);
   ValidateMultimodal(extras, "prepare", -1);
   PreparedPrompt p;
-  p.tokens.assign(tokens, tokens + n);
+  p.tokens = std::move(tokens_in);
+  const TokenId* tokens = p.tokens.data();
+  const std::size_t n = p.tokens.size();
   p.extras = extras;
   p.tokens_per_block = tpb_;
   const auto full = static_cast<std::int32_t>(n / static_cast<std::size_t>(tpb_));
@@ -833,8 +857,8 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
       } else {
         // A free source that this acquisition's eviction unlinks keeps its bytes until it is
         // handed out, which cannot happen before the copy below.
-        const BlockId own = Attach(seq, w, full, Handout::kFresh);
-        wm.CopyTokens(own, src, plan.partial_tokens);
+        AttachFresh(seq, w, full, full + 1);
+        wm.CopyTokens(sw.blocks[static_cast<std::size_t>(full)], src, plan.partial_tokens);
         if (src_held[w]) wm.Release(src);
         ++fresh;
       }
@@ -845,10 +869,8 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
         ++fresh;
       }
     }
-    for (std::int32_t i = full + has_partial; i < num_blocks; ++i) {
-      Attach(seq, w, i, Handout::kFresh);
-      ++fresh;
-    }
+    AttachFresh(seq, w, full + has_partial, num_blocks);
+    fresh += num_blocks - (full + has_partial);
     const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
     const std::int64_t missed_w = reuse_ ? prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
     counters_[w].alloc_total += num_blocks - front[w];
@@ -902,9 +924,9 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
   MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     ReleaseFront(seq, w, release_at);
-    for (std::int32_t j = positions; j < positions + need; ++j) {
-      seq.windows[w].blocks.push_back(kNullBlock);
-      Attach(seq, w, j, Handout::kFresh);
+    if (need > 0) {
+      seq.windows[w].blocks.resize(static_cast<std::size_t>(positions + need), kNullBlock);
+      AttachFresh(seq, w, positions, positions + need);
     }
     counters_[w].alloc_total += need;
     counters_[w].alloc_new += need;
@@ -926,6 +948,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   // 1. Validate every argument before touching anything.
   ++stamp_;
   batch_.clear();
+  batch_new_block_.clear();
   std::int32_t need = 0;  // sequences that start a new block (the same in every window)
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = Find(ids[i]);
@@ -939,8 +962,10 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     if (seq.num_tokens >= max_seq_len_) {
       ThrowInvalid("request ", ids[i], ": adding a token would exceed max_seq_len ", max_seq_len_);
     }
-    if (seq.num_tokens % tpb_ == 0) ++need;
+    const bool starts_block = seq.num_tokens % tpb_ == 0;
+    need += starts_block ? 1 : 0;
     batch_.push_back(&seq);
+    batch_new_block_.push_back(starts_block ? 1 : 0);
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).
@@ -1005,12 +1030,13 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w, seq.num_tokens);
   }
   if (need == 0) return;
-  for (Sequence* seq : batch_) {
-    if ((seq->num_tokens - 1) % tpb_ != 0) continue;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!batch_new_block_[i]) continue;
+    Sequence* seq = batch_[i];
     const auto position = static_cast<std::int32_t>(seq->windows[0].blocks.size());
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       seq->windows[w].blocks.push_back(kNullBlock);
-      Attach(*seq, w, position, Handout::kFresh);
+      AttachFresh(*seq, w, position, position + 1);
     }
     seq->new_blocks += static_cast<std::int64_t>(windows_.size());
   }
@@ -1034,9 +1060,7 @@ std::map<WindowSize, std::vector<BlockId>> KVCacheManager::RemoveSequence(SeqId 
   ForgetReleases(seq);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     // Newest first: a sequence's tail is the least shareable part and is evicted first.
-    for (auto j = static_cast<std::int32_t>(seq.windows[w].blocks.size()) - 1; j >= seq.windows[w].front_null; --j) {
-      Detach(seq, w, j, Leave::kEnd);
-    }
+    Detach(seq, w, seq.windows[w].front_null, static_cast<std::int32_t>(seq.windows[w].blocks.size()), Leave::kEnd);
   }
   sequences_.erase(it);
   return PinnedByWindow(std::move(pinned));
@@ -1083,17 +1107,15 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     auto& blocks = seq.windows[w].blocks;
-    for (auto j = static_cast<std::int32_t>(blocks.size()) - 1; j >= static_cast<std::int32_t>(keep); --j) {
-      Detach(seq, w, j, Leave::kRewind);
-    }
+    Detach(seq, w, static_cast<std::int32_t>(keep), static_cast<std::int32_t>(blocks.size()), Leave::kRewind);
     blocks.resize(keep);
     if (copy[w]) {
       const auto last = static_cast<std::int32_t>(keep - 1);
       const BlockId shared = blocks[keep - 1];
       windows_[w]->Claim(shared);  // held while it is copied from
-      Detach(seq, w, last, Leave::kEnd);
-      const BlockId own = Attach(seq, w, last, Handout::kFresh);
-      windows_[w]->CopyTokens(own, shared, tail_tokens);
+      Detach(seq, w, last, last + 1, Leave::kEnd);
+      AttachFresh(seq, w, last, last + 1);
+      windows_[w]->CopyTokens(blocks[keep - 1], shared, tail_tokens);
       windows_[w]->Release(shared);
     }
   }

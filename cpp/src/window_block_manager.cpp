@@ -156,6 +156,26 @@ void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int
   events_->Push(std::move(e));
 }
 
+inline void WindowBlockManager::Renew(BlockId b, std::vector<SeqId>* displaced) {
+  BlockState& s = state_[b];
+  if (s.has_releasers) {
+    displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
+    releasers_[b].clear();
+    s.has_releasers = false;
+  }
+  s.hit = false;
+  ++s.generation;
+}
+
+inline void WindowBlockManager::Hand(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms) {
+  BlockState& s = state_[b];
+  s.ref_count = 1;
+  s.owner = owner;
+  s.priority = static_cast<std::int8_t>(priority);
+  if (s.expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
+  s.expiry_ms = expiry_ms;
+}
+
 void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced) {
   policy_.Remove(b);
   if (state_[b].node != kNoNode) {
@@ -165,13 +185,7 @@ void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<SeqId>* di
       Drop(b);
     }
   }
-  if (state_[b].has_releasers) {
-    displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
-    releasers_[b].clear();
-    state_[b].has_releasers = false;
-  }
-  state_[b].hit = false;
-  ++state_[b].generation;
+  Renew(b, displaced);
 }
 
 BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
@@ -179,11 +193,7 @@ BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int
   KVC_CHECK(IsPrimary(b) && state_[b].ref_count == 0 && Owns(b),
             detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
   Reclaim(b, offload, displaced);
-  state_[b].ref_count = 1;
-  state_[b].owner = owner;
-  state_[b].priority = static_cast<std::int8_t>(priority);
-  if (state_[b].expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
-  state_[b].expiry_ms = expiry_ms;
+  Hand(b, owner, priority, expiry_ms);
   return b;
 }
 
@@ -240,6 +250,24 @@ BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expi
   return Grant(b, owner, priority, expiry_ms, /*offload=*/true, displaced);
 }
 
+void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
+                                  std::vector<SeqId>* displaced) {
+  KVC_CHECK(n >= 0 && n <= policy_.NumFree(CacheLevel::kPrimary),
+            detail::Concat("window ", window_, " has ", policy_.NumFree(CacheLevel::kPrimary),
+                           " free blocks, cannot hand out ", n));
+  // Scratch blocks first, in one pass: they hold nothing to evict, so Grant reduces to a new
+  // generation and the hand-out (Reclaim's other work has nothing to do).
+  const std::int32_t k = policy_.PopScratch(CacheLevel::kPrimary, n, out);
+  for (std::int32_t i = 0; i < k; ++i) {
+    const BlockId b = out[i];
+    KVC_DCHECK(state_[b].node == kNoNode && state_[b].ref_count == 0 && Owns(b), "scratch block in use or cached");
+    Renew(b, displaced);
+    Hand(b, owner, priority, expiry_ms);
+  }
+  // Then cached victims one by one: an eviction may turn other blocks into scratch blocks.
+  for (std::int32_t i = k; i < n; ++i) out[i] = Acquire(owner, priority, expiry_ms, displaced);
+}
+
 void WindowBlockManager::EvictCached(BlockId victim) {
   const bool offload = options_.onboard_blocks && num_secondary_ > 0 &&
                        state_[victim].priority >= options_.secondary_offload_min_priority &&
@@ -288,17 +316,57 @@ void WindowBlockManager::Claim(BlockId b) {
   ++state_[b].ref_count;
 }
 
-void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) {
-  KVC_CHECK(state_[b].ref_count > 0, detail::Concat("window ", window_, ": release of free block ", b));
+inline void WindowBlockManager::ReleaseOne(BlockId b, bool to_front, SeqId released_by) {
+  BlockState& s = state_[b];
+  KVC_CHECK(s.ref_count > 0, detail::Concat("window ", window_, ": release of free block ", b));
   if (released_by >= 0) {
     releasers_[b].push_back(released_by);
-    state_[b].has_releasers = true;
+    s.has_releasers = true;
   }
-  if (--state_[b].ref_count == 0 && IsDisk(b)) {
+  if (--s.ref_count != 0) return;
+  if (IsDisk(b)) {
     DiskQueue(b);
-  } else if (state_[b].ref_count == 0) {
+  } else if (s.node == kNoNode) {  // Enqueue's scratch case, without its lookups
+    policy_.PushScratch(b, to_front);
+    if (clock_ != nullptr && IsPrimary(b)) stamp_[static_cast<std::size_t>(b)] = ++*clock_;
+  } else {
     Enqueue(b, to_front);
   }
+}
+
+void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) { ReleaseOne(b, to_front, released_by); }
+
+void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool reverse, bool to_front,
+                                  SeqId released_by) {
+  if (slab_blocks_ > 0 || clock_ != nullptr) {  // lending: slab order and stamps follow each release
+    if (reverse) {
+      for (std::int32_t i = n - 1; i >= 0; --i) ReleaseOne(blocks[i], to_front, released_by);
+    } else {
+      for (std::int32_t i = 0; i < n; ++i) ReleaseOne(blocks[i], to_front, released_by);
+    }
+    return;
+  }
+  // Runs of primary blocks that become free and hold nothing reusable join the scratch queue
+  // together; any other block is released on its own, after the run before it (the same
+  // queues and orders as one Release each, and a failing Release leaves the earlier ones done).
+  std::vector<BlockId>& scratch = release_scratch_;
+  scratch.clear();
+  auto flush = [&] {
+    policy_.PushScratchN(CacheLevel::kPrimary, scratch.data(), static_cast<std::int32_t>(scratch.size()), to_front);
+    scratch.clear();
+  };
+  for (std::int32_t k = 0; k < n; ++k) {
+    const BlockId b = blocks[reverse ? n - 1 - k : k];
+    BlockState& s = state_[b];
+    if (s.ref_count == 1 && s.node == kNoNode && b < num_primary_ && released_by < 0) {
+      s.ref_count = 0;
+      scratch.push_back(b);
+    } else {
+      flush();
+      ReleaseOne(b, to_front, released_by);
+    }
+  }
+  flush();
 }
 
 void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {

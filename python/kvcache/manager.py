@@ -447,6 +447,8 @@ class KVCacheManager(_core.KVCacheManager):
             ValueError: Empty or too long prompt, negative token, bad multimodal item, an
                 integer argument out of range.
         """
+        if lora_task_id is None and cache_salt is None and multimodal is None:
+            return self._prepare(tokens)  # positional: the bindings parse no keywords
         return self._prepare(tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal))
 
     def add_sequence(
@@ -510,7 +512,7 @@ class KVCacheManager(_core.KVCacheManager):
             and cache_salt is None
             and multimodal is None
         ):
-            return int(self._add_sequence_plain(request_id, tokens, prefill))  # the common case
+            return self._add_sequence_plain(request_id, tokens, prefill)  # the common case
         ranges = []
         for r in priority_ranges or ():
             if not isinstance(r, tuple | list) or len(r) != 4:
@@ -541,6 +543,8 @@ class KVCacheManager(_core.KVCacheManager):
         multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
     ) -> int:
         """What :meth:`add_sequence` would return for this prompt now, changing nothing."""
+        if lora_task_id is None and cache_salt is None and multimodal is None:
+            return self._get_reusable_prefix_length(tokens)
         return int(
             self._get_reusable_prefix_length(
                 tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal)

@@ -129,6 +129,68 @@ TEST(EvictionPolicyTest, HighestProtectedQueueIsReachable) {
   EXPECT_EQ(p.Peek(CacheLevel::kPrimary), 0);
 }
 
+TEST(EvictionPolicyTest, PopScratchTakesTheScratchQueueHeadOnly) {
+  EvictionPolicy p(8, 0);
+  for (BlockId b : {5, 2, 7, 0}) p.Push(b, EvictionPolicy::kScratch);
+  p.Push(3, 10);  // cached: never popped as scratch
+  std::vector<BlockId> out(8, kNullBlock);
+  EXPECT_EQ(p.PopScratch(CacheLevel::kPrimary, 3, out.data()), 3);
+  EXPECT_EQ((std::vector<BlockId>(out.begin(), out.begin() + 3)), (std::vector<BlockId>{5, 2, 7}));
+  EXPECT_FALSE(p.Contains(5));
+  EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{0, 3}));
+  EXPECT_EQ(p.NumScratch(CacheLevel::kPrimary), 1);
+  EXPECT_EQ(p.NumFree(CacheLevel::kPrimary), 2);
+  // Asking for more than the scratch queue holds takes what it has; the queue is then empty.
+  EXPECT_EQ(p.PopScratch(CacheLevel::kPrimary, 4, out.data()), 1);
+  EXPECT_EQ(out[0], 0);
+  EXPECT_EQ(p.NumScratch(CacheLevel::kPrimary), 0);
+  EXPECT_EQ(p.Peek(CacheLevel::kPrimary), 3);
+  EXPECT_EQ(p.PopScratch(CacheLevel::kPrimary, 2, out.data()), 0);
+  // An emptied queue takes new blocks again at either end.
+  p.Push(4, EvictionPolicy::kScratch);
+  p.Push(6, EvictionPolicy::kScratch, /*to_front=*/true);
+  EXPECT_EQ(Order(p, CacheLevel::kPrimary), (std::vector<BlockId>{6, 4, 3}));
+}
+
+TEST(EvictionPolicyTest, PushScratchNMatchesOnePushEach) {
+  for (const bool to_front : {false, true}) {
+    for (const bool empty_before : {false, true}) {
+      EvictionPolicy one(10, 0, EvictionPolicy::kDefaultProtectedFraction, /*slab_blocks=*/5);
+      EvictionPolicy batch(10, 0, EvictionPolicy::kDefaultProtectedFraction, /*slab_blocks=*/5);
+      if (!empty_before) {
+        for (EvictionPolicy* p : {&one, &batch}) {
+          p->Push(8, EvictionPolicy::kScratch);
+          p->Push(9, EvictionPolicy::kScratch);
+          p->Push(1, 40);
+        }
+      }
+      const std::vector<BlockId> blocks{3, 0, 4, 2};
+      for (const BlockId b : blocks) one.PushScratch(b, to_front);
+      batch.PushScratchN(CacheLevel::kPrimary, blocks.data(), static_cast<std::int32_t>(blocks.size()), to_front);
+      SCOPED_TRACE(::testing::Message() << "to_front " << to_front << ", empty before " << empty_before);
+      EXPECT_EQ(Order(batch, CacheLevel::kPrimary), Order(one, CacheLevel::kPrimary));
+      EXPECT_EQ(Order(batch, CacheLevel::kPrimary),
+                to_front ? (empty_before ? (std::vector<BlockId>{2, 4, 0, 3})
+                                         : (std::vector<BlockId>{2, 4, 0, 3, 8, 9, 1}))
+                         : (empty_before ? (std::vector<BlockId>{3, 0, 4, 2})
+                                         : (std::vector<BlockId>{8, 9, 3, 0, 4, 2, 1})));
+      EXPECT_EQ(batch.NumScratch(CacheLevel::kPrimary), one.NumScratch(CacheLevel::kPrimary));
+      EXPECT_EQ(batch.NumFree(CacheLevel::kPrimary), one.NumFree(CacheLevel::kPrimary));
+      // Slab 0 (blocks 0..4) is wholly free only with block 1 as well.
+      EXPECT_EQ(batch.SlabFree(0), one.SlabFree(0));
+      EXPECT_EQ(batch.NumFreeSlabs(), one.NumFreeSlabs());
+      EXPECT_EQ(batch.SlabListed(0), !empty_before);
+      // The links hold both ways: popping everything returns the same order.
+      std::vector<BlockId> a(10);
+      std::vector<BlockId> b(10);
+      const std::int32_t ka = one.PopScratch(CacheLevel::kPrimary, 10, a.data());
+      const std::int32_t kb = batch.PopScratch(CacheLevel::kPrimary, 10, b.data());
+      EXPECT_EQ(ka, kb);
+      EXPECT_EQ(a, b);
+    }
+  }
+}
+
 TEST(EvictionPolicyTest, MisuseIsAnInternalError) {
   EvictionPolicy p(2, 0);
   p.Push(0, 35);

@@ -49,6 +49,13 @@ class EvictionPolicy {
   BlockId Push(BlockId b, int priority, bool to_front = false, bool protect = false);
   /// Removes queued block `b` (it is being claimed).
   void Remove(BlockId b);
+  /// Takes up to `n` blocks off the front of `level`'s scratch queue into out[0..k) and returns
+  /// k: the blocks k calls of Peek and Remove would take while the scratch queue lasts.
+  std::int32_t PopScratch(CacheLevel level, std::int32_t n, BlockId* out);
+  /// Push(b, kScratch, to_front) for a block the caller knows is not queued (no checks).
+  void PushScratch(BlockId b, bool to_front);
+  /// PushScratch of blocks[0..n) in that order (all of `level`), linked in one pass.
+  void PushScratchN(CacheLevel level, const BlockId* blocks, std::int32_t n, bool to_front);
   /// True if `b` is queued (free).
   bool Contains(BlockId b) const { return links_[b].queue >= 0; }
   /// Priority `b` is queued at (kScratch or 0..100); `b` must be queued.
@@ -99,6 +106,7 @@ class EvictionPolicy {
   }
   static bool IsProtectedSlot(int slot) { return slot > 0 && slot % 2 == 0; }
   void Insert(BlockId b, int q, bool to_front);
+  void Chain(BlockId b, int q, bool to_front);  // into queue q's list only (no counters)
   void Erase(BlockId b);
   void SlabGained(BlockId b);  // primary block b became free
   void SlabLost(BlockId b);    // primary block b stopped being free
@@ -128,5 +136,33 @@ class EvictionPolicy {
   std::int32_t slab_tail_ = -1;
   std::int32_t num_free_slabs_ = 0;
 };
+
+inline void EvictionPolicy::Chain(BlockId b, int q, bool to_front) {
+  Link& l = links_[b];
+  l.queue = static_cast<std::int16_t>(q);
+  if (head_[q] == kNullBlock) {
+    l.prev = l.next = kNullBlock;
+    head_[q] = tail_[q] = b;
+  } else if (to_front) {
+    l.prev = kNullBlock;
+    l.next = head_[q];
+    links_[head_[q]].prev = b;
+    head_[q] = b;
+  } else {
+    l.next = kNullBlock;
+    l.prev = tail_[q];
+    links_[tail_[q]].next = b;
+    tail_[q] = b;
+  }
+}
+
+inline void EvictionPolicy::PushScratch(BlockId b, bool to_front) {
+  const int lv = static_cast<int>(LevelOf(b));
+  Chain(b, QueueIndex(LevelOf(b), 0), to_front);
+  occupied_[lv][0] |= 1;  // slot 0: the scratch queue
+  ++num_free_[lv];
+  ++num_scratch_[lv];
+  if (slab_blocks_ > 0 && lv == 0) SlabGained(b);
+}
 
 }  // namespace kvcache

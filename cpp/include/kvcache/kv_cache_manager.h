@@ -209,6 +209,8 @@ class KVCacheManager {
                            std::optional<std::int32_t> prefill = std::nullopt);
   /// Converts and keys a prompt once (validated like AddSequence's): see PreparedPrompt.
   PreparedPrompt Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
+  /// The same, taking over `tokens` (no copy).
+  PreparedPrompt Prepare(std::vector<TokenId>&& tokens, const ReuseExtras& extras) const;
   /// Chunked prefill: gives blocks for the next `num_tokens` prompt tokens of `id`, first
   /// releasing every sliding-window block that no query of the chunk can attend (the decode
   /// rule at the chunk's first position). All or nothing.
@@ -331,12 +333,17 @@ class KVCacheManager {
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
   std::int64_t NowMs() const;
-  /// Priority and expiry of block position `j` of `seq`.
-  std::pair<int, std::int64_t> BlockPriority(const Sequence& seq, std::int32_t j) const;
+  /// Priority and expiry of block position `j` of `seq`, and the end of the run of positions
+  /// from `j` (before `last`) that take the same ones.
+  struct BlockPriorityRun {
+    int priority;
+    std::int64_t expiry_ms;
+    std::int32_t end;
+  };
+  BlockPriorityRun BlockPriority(const Sequence& seq, std::int32_t j, std::int32_t last) const;
 
   /// How a block reaches a sequence position (see Attach).
   enum class Handout : std::uint8_t {
-    kFresh,     ///< the next free primary block (the eviction victim), writable
     kShare,     ///< cached block `b` (any level), read-only: one more reference
     kTakeOver,  ///< free primary block `b` whose first tokens are reused, made private and writable
     kOnboard,   ///< the claimed secondary block at that position moves into a fresh primary block
@@ -347,14 +354,22 @@ class KVCacheManager {
     kRewind,       ///< rewound tokens: the block goes to the front of the scratch queue
     kEnd,          ///< the sequence ends
   };
-  /// The one door through which a block reaches a sequence: position `j` of `seq` in window `w`
-  /// gets a block as `how` says and the block id is stored there. Writable hand-outs go through
-  /// WindowBlockManager::Grant (owner recorded, generation bumped) and invalidate every other
-  /// live sequence that had released the block out of window. Returns the block.
+  /// The one door through which a cached or claimed block reaches a sequence: position `j` of
+  /// `seq` in window `w` gets a block as `how` says and the block id is stored there. Writable
+  /// hand-outs go through WindowBlockManager::Grant (owner recorded, generation bumped) and
+  /// invalidate every other live sequence that had released the block out of window. Returns
+  /// the block.
   BlockId Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b = kNullBlock);
-  /// The one door through which a block leaves a sequence: position `j` of `seq` in window `w`
-  /// gives up its block. kOutOfWindow also moves the front and records (block, generation).
-  void Detach(Sequence& seq, std::size_t w, std::int32_t j, Leave why);
+  /// The one door through which fresh blocks reach a sequence: the empty positions
+  /// [first, last) of `seq` in window `w` get the next free primary blocks (the eviction
+  /// victims, writable), in position order, by WindowBlockManager::AcquireN (one call per run of
+  /// positions with the same priority); every other live sequence that had released one of
+  /// them out of window is invalidated.
+  void AttachFresh(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last);
+  /// The one door through which blocks leave a sequence: positions [first, last) of `seq` in
+  /// window `w` give up their blocks, the newest first (kOutOfWindow: the oldest first, from the
+  /// front, which moves and records (block, generation) per position).
+  void Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why);
   /// Drops the sequence's release records from the blocks' releaser lists (it is ending).
   void ForgetReleases(const Sequence& seq);
   void InvalidateDisplaced(const Sequence& seq);
@@ -474,6 +489,7 @@ class KVCacheManager {
   std::uint64_t stamp_ = 0;
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;
+  std::vector<char> batch_new_block_;  // per batch_ entry: its new token starts a block
   std::vector<BlockId> shared_release_;
   // Per window, the blocks check of AddSequence, Prefill and AddTokens (kept: no allocation
   // per call): blocks needed, blocks it can hand out, and (AddTokens) whether releases count.

@@ -178,6 +178,11 @@ class WindowBlockManager {
                 std::vector<SeqId>* displaced);
   /// Grant of the next free primary block (the eviction victim). Precondition: a free block.
   BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  /// `n` calls of Acquire in one: out[0..n) get the blocks those calls would hand out, in that
+  /// order (scratch blocks in one pass, then cached victims). Throws, with nothing changed, if
+  /// fewer than `n` blocks are free.
+  void AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
+                std::vector<SeqId>* displaced);
   /// Takes a read-only reference on `b` (cached blocks may be free: they leave the free queues).
   void Claim(BlockId b);
   /// Records that cached block `b` served a reuse hit: once free it waits in a protected queue
@@ -187,6 +192,8 @@ class WindowBlockManager {
   /// at the front if `to_front`). `released_by` >= 0 names a running sequence that releases `b`
   /// out of window and keeps a record of its content (until the next Grant or ForgetRelease).
   void Release(BlockId b, bool to_front = false, SeqId released_by = -1);
+  /// Release of blocks[0..n) with the same arguments, last first if `reverse`.
+  void ReleaseN(const BlockId* blocks, std::int32_t n, bool reverse, bool to_front = false, SeqId released_by = -1);
   /// Removes one record of `seq` from `b`'s releasers (the sequence ended).
   void ForgetRelease(BlockId b, SeqId seq);
   /// Live sequences that released `b` out of window since its last Grant.
@@ -219,6 +226,12 @@ class WindowBlockManager {
   /// identity (offloaded when `offload`, else dropped) and the other sequences' records of its
   /// content (appended to *displaced). Its generation is bumped. Grant and LendSlab use it.
   void Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced);
+  /// Reclaim's last step: the other sequences' records of `b`'s content end (appended to
+  /// *displaced), the hit mark clears and the generation is bumped.
+  void Renew(BlockId b, std::vector<SeqId>* displaced);
+  /// Grant's last step: one reference, owner, priority and expiry.
+  void Hand(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms);
+  void ReleaseOne(BlockId b, bool to_front, SeqId released_by);  // Release, inlined into ReleaseN
   int QueuePriority(BlockId b) const;
   bool QueueProtected(BlockId b) const;
   /// Puts free block `b` in the queue its state says (at the front only if `to_front` and it
@@ -260,6 +273,7 @@ class WindowBlockManager {
   std::vector<char> slab_owned_;
   std::int32_t owned_primary_ = 0;
   std::vector<NodeId> drop_nodes_;    // Drop's work list, kept to avoid an allocation per drop
+  std::vector<BlockId> release_scratch_;  // ReleaseN's blocks bound for the scratch queue
   std::uint64_t* clock_ = nullptr;    // eviction stamps (lending only)
   std::int64_t cached_evictions_ = 0;  // Acquire's victims that held cached content
   std::vector<std::uint64_t> stamp_;  // per primary block: when it was last queued
