@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -245,12 +246,11 @@ template <typename T>
 void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector<TokenId>* out) {
   // One branch-free pass finds whether any value is out of range (the common case: none, and
   // the loop vectorizes), then a plain copy; only a bad value takes the loop naming it.
-  bool bad = false;
-  if constexpr (sizeof(T) <= sizeof(TokenId)) {
-    for (std::size_t i = 0; i < n; ++i) bad |= data[i] < 0;
-  } else {
-    for (std::size_t i = 0; i < n; ++i) bad |= static_cast<std::uint64_t>(data[i]) > static_cast<std::uint64_t>(INT32_MAX);
-  }
+  // OR of every value: a negative one sets the sign bit, one above INT32_MAX a bit >= 31.
+  using U = std::make_unsigned_t<T>;
+  U any = 0;
+  for (std::size_t i = 0; i < n; ++i) any |= static_cast<U>(data[i]);
+  const bool bad = (any >> 31) != 0;
   if (bad) {
     for (std::size_t i = 0; i < n; ++i) {
       const T v = data[i];

@@ -293,6 +293,11 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     }
   }
   counters_.assign(windows_.size(), WindowCounters{});
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    // Full attention never releases: a base no sequence length reaches.
+    release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
+                                                  : std::numeric_limits<std::int64_t>::max() / 2);
+  }
 }
 
 KVCacheManager::~KVCacheManager() = default;
@@ -354,14 +359,8 @@ std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_token
   return below <= 0 ? 0 : static_cast<std::int32_t>(below / tpb_);
 }
 
-void KVCacheManager::ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
-  // ReleaseTarget(w, num_tokens) > front_null without its division: most calls (a decode step
-  // in the middle of a block) release nothing.
-  const SequenceWindow& sw = seq.windows[w];
-  const std::int64_t next_release = (static_cast<std::int64_t>(sw.front_null) + 1) * tpb_ + window_sizes_[w] +
-                                    max_draft_tokens_;
-  if (num_tokens < next_release || !windows_[w]->is_swa()) return;
-  Detach(seq, w, sw.front_null, ReleaseTarget(w, num_tokens), Leave::kOutOfWindow);
+void KVCacheManager::ReleaseFrontFrom(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
+  Detach(seq, w, seq.windows[w].front_null, ReleaseTarget(w, num_tokens), Leave::kOutOfWindow);
 }
 
 std::int64_t KVCacheManager::NowMs() const {
@@ -609,13 +608,14 @@ bool KVCacheManager::IsPrivate(const Sequence& seq, std::size_t w, std::int32_t 
   return wm.RefCount(b) == 1 && wm.NodeOf(b) == kNoNode && wm.Releasers(b).empty();
 }
 
-std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
-                                                            std::vector<std::int32_t>* front) const {
-  std::vector<std::int32_t> need(windows_.size(), 0);
-  front->assign(windows_.size(), 0);
+void KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const {
+  std::vector<std::int32_t>& need = prompt_need_;
+  std::vector<std::int32_t>& front = prompt_front_;
+  need.assign(windows_.size(), 0);
+  front.assign(windows_.size(), 0);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const WindowBlockManager& wm = *windows_[w];
-    std::int32_t& f = (*front)[w];
+    std::int32_t& f = front[w];
     if (wm.is_swa()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
     KVC_CHECK(f <= plan.full_blocks, "reuse plan: released front past the matched blocks");
     need[w] = num_blocks - plan.full_blocks;  // the partial block (taken over or copied) and fresh ones
@@ -624,7 +624,6 @@ std::vector<std::int32_t> KVCacheManager::PromptBlocksNeeded(const ReusePlan& pl
       if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
     }
   }
-  return need;
 }
 
 void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const {
@@ -705,12 +704,11 @@ std::map<WindowSize, std::int32_t> KVCacheManager::BlocksToAllocateLocked(const 
                                                                           std::optional<std::int32_t> prefill,
                                                                           const PreparedPrompt* prepared) const {
   ValidatePrefill(prefill, "get_num_blocks_to_allocate", -1);
-  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras, prepared) : ReusePlan{};
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
   const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
-  std::vector<std::int32_t> front;
-  const auto need = PromptBlocksNeeded(plan, CeilDiv(first, tpb_), &front);
+  PromptBlocksNeeded(plan, CeilDiv(first, tpb_));
   std::map<WindowSize, std::int32_t> out;
-  for (std::size_t w = 0; w < windows_.size(); ++w) out[window_sizes_[w]] = need[w];
+  for (std::size_t w = 0; w < windows_.size(); ++w) out.emplace_hint(out.end(), window_sizes_[w], prompt_need_[w]);
   return out;
 }
 
@@ -768,7 +766,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
                                       ") sequences are already registered"));
   }
   ValidatePrefill(prefill, "add_sequence", id);
-  const ReusePlan plan = reuse_ ? PlanReuse(tokens, n, extras, prepared) : ReusePlan{};
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
   const std::int32_t reused = plan.reused_tokens;
   // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
   const std::int32_t first = FirstChunkEnd(n, reused, prefill);
@@ -776,8 +774,9 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   const std::int32_t prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
   const std::int32_t full = plan.full_blocks;
   const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
-  std::vector<std::int32_t> front;
-  const std::vector<std::int32_t> need = PromptBlocksNeeded(plan, num_blocks, &front);
+  PromptBlocksNeeded(plan, num_blocks);
+  const std::vector<std::int32_t>& need = prompt_need_;
+  const std::vector<std::int32_t>& front = prompt_front_;
   std::vector<std::vector<BlockId>> keep;
   {
     std::vector<std::int64_t>& available = check_available_;

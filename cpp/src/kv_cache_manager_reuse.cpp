@@ -21,12 +21,19 @@ constexpr std::size_t kMaxWindowsOnStack = 16;
 
 }  // namespace
 
-KVCacheManager::ReusePlan KVCacheManager::PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
-                                                    const PreparedPrompt* prepared) const {
-  ReusePlan plan;
+const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens, std::size_t n,
+                                                           const ReuseExtras& extras,
+                                                           const PreparedPrompt* prepared) const {
+  ReusePlan& plan = plan_;  // reused: its vectors keep their capacity between calls
   const std::size_t nw = windows_.size();
+  plan.path.clear();
+  plan.full_blocks = 0;
+  plan.partial = kNoNode;
+  plan.partial_tokens = 0;
+  plan.reused_tokens = 0;
   plan.partial_src.assign(nw, kNullBlock);
   plan.partial_takeover.assign(nw, 0);
+  if (!reuse_) return plan;
   // The last prompt token is never part of a key: its KV is computed again for the logits.
   const auto key_len = static_cast<std::int32_t>(n) - 1;
   if (key_len <= 0) return plan;
@@ -388,13 +395,13 @@ std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std:
                                                      const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);
   ValidatePrompt(tokens, n, "get_reusable_prefix_length", -1);
-  return reuse_ ? PlanReuse(tokens, n, extras).reused_tokens : 0;
+  return PlanReuse(tokens, n, extras).reused_tokens;
 }
 
 std::int32_t KVCacheManager::GetReusablePrefixLength(const PreparedPrompt& prompt) const {
   std::lock_guard<std::mutex> lock(mu_);
   CheckPrepared(prompt);
-  return reuse_ ? PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt).reused_tokens : 0;
+  return PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt).reused_tokens;
 }
 
 bool KVCacheManager::IsSequenceValidForReuse(SeqId id) const {

@@ -328,7 +328,18 @@ class KVCacheManager {
   std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const;
   /// Releases the front blocks of `seq` in window `w` that are out of window for a sequence of
   /// `num_tokens` tokens.
-  void ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens);
+  void ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
+    // ReleaseTarget(w, num_tokens) > front_null, without its division: most calls (a decode
+    // step inside a block, or full attention) release nothing.
+    if (num_tokens >= static_cast<std::int64_t>(seq.windows[w].front_null) * tpb_ + release_base_[w]) {
+      ReleaseFrontFrom(seq, w, num_tokens);
+    }
+  }
+  void ReleaseFrontFrom(Sequence& seq, std::size_t w, std::int32_t num_tokens);
+  /// Per window: a sequence of front_null * tokens_per_block + release_base_[w] tokens releases
+  /// its front block (window + max_draft_tokens + tokens_per_block; unreachable for full
+  /// attention).
+  std::vector<std::int64_t> release_base_;
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
@@ -380,11 +391,14 @@ class KVCacheManager {
   /// block a sequence holds (or still owns by a valid release record) is the tree node of that
   /// sequence's own prefix at that position.
   void CheckOwnership() const;
-  std::vector<std::int32_t> PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks,
-                                               std::vector<std::int32_t>* front) const;
+  /// Per window: the free blocks that a prompt of `num_blocks` blocks with reuse plan `plan`
+  /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
+  /// prompt_front_).
+  void PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const;
   /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
-  ReusePlan PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
-                      const PreparedPrompt* prepared = nullptr) const;
+  /// Valid until the next call (it is the member plan_); an empty plan without reuse.
+  const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                             const PreparedPrompt* prepared = nullptr) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
                                  std::optional<std::int32_t> prefill, const PreparedPrompt* prepared);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
@@ -488,6 +502,11 @@ class KVCacheManager {
   std::int64_t fake_now_ms_ = -1;
   std::uint64_t stamp_ = 0;
   // Scratch space of AddTokens, kept to avoid allocations on the decode path.
+  // Scratch of the prompt checks (every caller holds mu_): kept so that an admission, or a
+  // deferred one retried every step, allocates nothing for them.
+  mutable ReusePlan plan_;
+  mutable std::vector<std::int32_t> prompt_need_;
+  mutable std::vector<std::int32_t> prompt_front_;
   std::vector<Sequence*> batch_;
   std::vector<char> batch_new_block_;  // per batch_ entry: its new token starts a block
   std::vector<BlockId> shared_release_;
