@@ -104,7 +104,8 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
   NodeId best = kNoNode;
   std::int32_t best_tokens = 0;
   tree_->ForEachChild(parent, [&](NodeId c) {
-    if (tree_->HasMultimodal(c) || tree_->Extras(c) != digest) return;
+    // A child whose first token differs shares nothing: skipped before its tokens are read.
+    if (tree_->FirstToken(c) != tokens[start] || tree_->HasMultimodal(c) || tree_->Extras(c) != digest) return;
     const std::int32_t common = CommonPrefix(tree_->Tokens(c), tokens + start, std::min(tree_->NumTokens(c), query));
     if (common <= best_tokens) return;
     for (std::size_t w = 0; w < nw; ++w) {

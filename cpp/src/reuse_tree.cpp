@@ -50,6 +50,7 @@ NodeId ReuseTree::GetOrCreateChild(NodeId parent, std::uint64_t hash, const Toke
   nd.hash = hash;
   nd.extras = extras;
   nd.tokens.assign(tokens, tokens + n);
+  nd.first_token = n > 0 ? tokens[0] : -1;
   nd.first_child = kNoNode;
   nd.prev_sibling = kNoNode;
   nd.next_sibling = nodes_[parent].first_child;
@@ -142,6 +143,8 @@ void ReuseTree::CheckInvariants() const {
       KVC_CHECK(nodes_[c].parent == n, detail::Concat("node ", c, " has a wrong parent"));
       KVC_CHECK(nodes_[c].prev_sibling == prev, detail::Concat("node ", c, " has a wrong sibling link"));
       KVC_CHECK(nodes_[c].depth == nodes_[n].depth + 1, detail::Concat("node ", c, " has a wrong depth"));
+      KVC_CHECK(nodes_[c].first_token == (nodes_[c].tokens.empty() ? -1 : nodes_[c].tokens[0]),
+                detail::Concat("node ", c, " has a wrong first token"));
       KVC_CHECK(index_.Find(nodes_[c].hash) == c, detail::Concat("node ", c, " is missing from the index"));
       KVC_CHECK(!IsLeaf(c) || !IsEmpty(c), detail::Concat("leaf node ", c, " holds no block"));
       prev = c;

@@ -56,6 +56,9 @@ class ReuseTree {
     return static_cast<std::int32_t>(nodes_[node].tokens.size());
   }
   const TokenId* Tokens(NodeId node) const { return nodes_[node].tokens.data(); }
+  /// The first key token of `node`, or -1 if its key has none (read without touching the
+  /// token buffer: a scan over many children compares this first).
+  TokenId FirstToken(NodeId node) const { return nodes_[node].first_token; }
   /// Depth of `node` (root = 0, its children = 1, ...).
   std::int32_t Depth(NodeId node) const { return nodes_[node].depth; }
   /// Nodes in use, the root included.
@@ -92,6 +95,7 @@ class ReuseTree {
     NodeId next_sibling = kNoNode;
     NodeId prev_sibling = kNoNode;
     std::int32_t depth = 0;
+    TokenId first_token = -1;  // tokens[0], or -1 when tokens is empty
     bool in_use = false;
     bool has_multimodal = false;
     std::uint64_t hash = 0;
