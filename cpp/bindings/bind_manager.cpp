@@ -476,11 +476,13 @@ ReuseExtras MakeExtras(const std::optional<LoraTaskId>& lora_task_id, const std:
 const PreparedPrompt* AsPrepared(const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
                                  const std::optional<CacheSalt>& cache_salt,
                                  const std::vector<MultimodalArg>& multimodal) {
-  if (!pybind11::isinstance<PreparedPrompt>(tokens)) return nullptr;
+  // One type lookup (the caster's), not two (isinstance, then cast); subclasses load too.
+  pybind11::detail::make_caster<PreparedPrompt> caster;
+  if (!caster.load(tokens, /*convert=*/false)) return nullptr;
   if (lora_task_id.has_value() || cache_salt.has_value() || !multimodal.empty()) {
     ThrowInvalid("lora_task_id, cache_salt and multimodal come from the prepared prompt: pass them to prepare()");
   }
-  return &tokens.cast<const PreparedPrompt&>();
+  return &pybind11::detail::cast_op<const PreparedPrompt&>(caster);
 }
 
 /// Binds a read-only query over a prompt and its reuse keys: converts the arguments, releases

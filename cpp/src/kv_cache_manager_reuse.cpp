@@ -84,8 +84,8 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
       for (std::size_t w = 0; w < nw; ++w) {
         if (!windows_[w]->is_swa()) continue;
         if (tree_->Block(nd, static_cast<std::int32_t>(w)) == kNullBlock) last_gap[w] = i;
-        const std::int32_t p = i + 1;
-        const std::int32_t first_needed = std::max(0, p * tpb_ - window_sizes_[w]) / tpb_;
+        // max(0, (i + 1) * tpb - window) / tpb without a division per block and window.
+        const std::int32_t first_needed = std::max(0, i + 1 - window_blocks_[w]);
         if (last_gap[w] >= first_needed) served = false;
       }
       if (served) best = i + 1;

@@ -340,6 +340,8 @@ class KVCacheManager {
   /// its front block (window + max_draft_tokens + tokens_per_block; unreachable for full
   /// attention).
   std::vector<std::int64_t> release_base_;
+  /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
+  std::vector<std::int32_t> window_blocks_;
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
