@@ -17,6 +17,7 @@ set-up cancelled out. Operations:
   through a ``functools.partial``, so that ``valgrind --tool=callgrind
   --toggle-collect=partial_call --toggle-collect=partial_vectorcall`` counts the manager calls
   alone (Python call overhead included), without the replay's own work.
+  ``replay_whole_calls``: the same with whole-prompt prefill.
 """
 
 from __future__ import annotations
@@ -80,21 +81,21 @@ def add_tokens_np(n: int) -> None:
     add_tokens(n, arrays=True)
 
 
-def replay(n: int) -> None:
+def replay(n: int, chunk: int | None = 512) -> None:
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import bench_reuse as br
 
     reqs = br.make_workload(n, 0)
     max_seq_len = max(len(r.prompt) + r.max_new for r in reqs)
     blocks = br.split_blocks(reqs, max_seq_len, "auto", 8192)
-    res = br.run_replay(reqs, blocks, max_seq_len, "placeholder", 512, 8192)
+    res = br.run_replay(reqs, blocks, max_seq_len, "placeholder", chunk, 8192)
     print(
         f"steps {res.steps} preemptions {res.preemptions} deferred {res.deferred} "
         f"hit {res.hit_rate:.4%} first {res.first_hit_rate:.4%} reused {res.reused_tokens}"
     )
 
 
-def replay_calls(n: int) -> None:
+def replay_calls(n: int, chunk: int | None = 512) -> None:
     import functools
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -104,7 +105,11 @@ def replay_calls(n: int) -> None:
         return functools.partial(fn, *args, **kwargs)()
 
     br._Timed.__call__ = call  # type: ignore[assignment,method-assign]
-    replay(n)
+    replay(n, chunk)
+
+
+def replay_whole_calls(n: int) -> None:
+    replay_calls(n, chunk=None)
 
 
 if __name__ == "__main__":
@@ -115,5 +120,6 @@ if __name__ == "__main__":
         "add_tokens_np": add_tokens_np,
         "replay": replay,
         "replay_calls": replay_calls,
+        "replay_whole_calls": replay_whole_calls,
     }
     ops[sys.argv[1]](int(sys.argv[2]))
