@@ -85,36 +85,28 @@ void EvictionPolicy::PushScratchN(CacheLevel level, const BlockId* blocks, std::
   const int lv = static_cast<int>(level);
   const int q = QueueIndex(level, 0);
   const auto queue = static_cast<std::int16_t>(q);
-  if (!to_front) {  // appended in order: ..., old tail, blocks[0], ..., blocks[n - 1]
-    BlockId prev = tail_[q];
-    for (std::int32_t i = 0; i < n; ++i) {
-      Link& l = links_[blocks[i]];
-      l.queue = queue;
-      l.prev = prev;
-      l.next = i + 1 < n ? blocks[i + 1] : kNullBlock;
-      prev = blocks[i];
-    }
-    if (tail_[q] != kNullBlock) {
-      links_[tail_[q]].next = blocks[0];
-    } else {
-      head_[q] = blocks[0];
-    }
-    tail_[q] = blocks[n - 1];
-  } else {  // each pushed to the front in turn: blocks[n - 1], ..., blocks[0], old head, ...
-    BlockId next = head_[q];
-    for (std::int32_t i = 0; i < n; ++i) {
-      Link& l = links_[blocks[i]];
-      l.queue = queue;
-      l.next = next;
-      l.prev = i + 1 < n ? blocks[i + 1] : kNullBlock;
-      next = blocks[i];
-    }
-    if (head_[q] != kNullBlock) {
-      links_[head_[q]].prev = blocks[0];
-    } else {
-      tail_[q] = blocks[0];
-    }
-    head_[q] = blocks[n - 1];
+  // The blocks in the order they end up queued: each pushed to the front goes before the last.
+  auto at = [&](std::int32_t i) { return blocks[to_front ? n - 1 - i : i]; };
+  for (std::int32_t i = 0; i < n; ++i) {
+    Link& l = links_[at(i)];
+    l.queue = queue;
+    l.prev = i > 0 ? at(i - 1) : kNullBlock;
+    l.next = i + 1 < n ? at(i + 1) : kNullBlock;
+  }
+  // Then the run is spliced in whole, as Chain does with one block.
+  const BlockId first = at(0);
+  const BlockId last = at(n - 1);
+  if (head_[q] == kNullBlock) {
+    head_[q] = first;
+    tail_[q] = last;
+  } else if (to_front) {
+    links_[last].next = head_[q];
+    links_[head_[q]].prev = last;
+    head_[q] = first;
+  } else {
+    links_[first].prev = tail_[q];
+    links_[tail_[q]].next = first;
+    tail_[q] = last;
   }
   occupied_[lv][0] |= 1;
   num_free_[lv] += n;

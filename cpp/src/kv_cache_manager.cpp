@@ -293,8 +293,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     }
   }
   counters_.assign(windows_.size(), WindowCounters{});
-  for (std::size_t w = 0; w < windows_.size(); ++w) window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
   for (std::size_t w = 0; w < windows_.size(); ++w) {
+    window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
     // Full attention never releases: a base no sequence length reaches.
     release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
                                                   : std::numeric_limits<std::int64_t>::max() / 2);

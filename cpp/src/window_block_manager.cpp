@@ -338,17 +338,11 @@ void WindowBlockManager::Release(BlockId b, bool to_front, SeqId released_by) { 
 
 void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool reverse, bool to_front,
                                   SeqId released_by) {
-  if (slab_blocks_ > 0 || clock_ != nullptr) {  // lending: slab order and stamps follow each release
-    if (reverse) {
-      for (std::int32_t i = n - 1; i >= 0; --i) ReleaseOne(blocks[i], to_front, released_by);
-    } else {
-      for (std::int32_t i = 0; i < n; ++i) ReleaseOne(blocks[i], to_front, released_by);
-    }
-    return;
-  }
   // Runs of primary blocks that become free and hold nothing reusable join the scratch queue
   // together; any other block is released on its own, after the run before it (the same
   // queues and orders as one Release each, and a failing Release leaves the earlier ones done).
+  // With lending every block goes on its own: slab order and eviction stamps follow each release.
+  const bool runs = slab_blocks_ == 0 && clock_ == nullptr && released_by < 0;
   std::vector<BlockId>& scratch = release_scratch_;
   scratch.clear();
   auto flush = [&] {
@@ -358,7 +352,7 @@ void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool re
   for (std::int32_t k = 0; k < n; ++k) {
     const BlockId b = blocks[reverse ? n - 1 - k : k];
     BlockState& s = state_[b];
-    if (s.ref_count == 1 && s.node == kNoNode && b < num_primary_ && released_by < 0) {
+    if (runs && s.ref_count == 1 && s.node == kNoNode && b < num_primary_) {
       s.ref_count = 0;
       scratch.push_back(b);
     } else {

@@ -336,12 +336,6 @@ class KVCacheManager {
     }
   }
   void ReleaseFrontFrom(Sequence& seq, std::size_t w, std::int32_t num_tokens);
-  /// Per window: a sequence of front_null * tokens_per_block + release_base_[w] tokens releases
-  /// its front block (window + max_draft_tokens + tokens_per_block; unreachable for full
-  /// attention).
-  std::vector<std::int64_t> release_base_;
-  /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
-  std::vector<std::int32_t> window_blocks_;
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
@@ -503,12 +497,18 @@ class KVCacheManager {
   std::vector<std::vector<std::int32_t>> pins_;  // per window, per block
   std::int64_t fake_now_ms_ = -1;
   std::uint64_t stamp_ = 0;
-  // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   // Scratch of the prompt checks (every caller holds mu_): kept so that an admission, or a
   // deferred one retried every step, allocates nothing for them.
   mutable ReusePlan plan_;
   mutable std::vector<std::int32_t> prompt_need_;
   mutable std::vector<std::int32_t> prompt_front_;
+  /// Per window: a sequence of front_null * tokens_per_block + release_base_[w] tokens releases
+  /// its front block (window + max_draft_tokens + tokens_per_block; unreachable for full
+  /// attention).
+  std::vector<std::int64_t> release_base_;
+  /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
+  std::vector<std::int32_t> window_blocks_;
+  // Scratch space of AddTokens, kept to avoid allocations on the decode path.
   std::vector<Sequence*> batch_;
   std::vector<char> batch_new_block_;  // per batch_ entry: its new token starts a block
   std::vector<BlockId> shared_release_;
