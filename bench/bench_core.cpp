@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -57,10 +58,11 @@ int main() {
   std::mt19937 rng(7);
   {
     KVCacheManager m = MakeManager(512, 40000, 2);
-    std::vector<kvcache::PreparedPrompt> prompts;
+    // Shared, as the Python binding passes them: the sequence keeps the prompt, copying nothing.
+    std::vector<std::shared_ptr<const kvcache::PreparedPrompt>> prompts;
     for (int i = 0; i < 4; ++i) {
       const auto t = Random(rng, 2500);
-      prompts.push_back(m.Prepare(t.data(), t.size(), {}));
+      prompts.push_back(std::make_shared<const kvcache::PreparedPrompt>(m.Prepare(t.data(), t.size(), {})));
     }
     std::vector<double> add;
     std::vector<double> remove;

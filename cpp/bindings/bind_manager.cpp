@@ -485,6 +485,20 @@ const PreparedPrompt* AsPrepared(const pybind11::handle& tokens, const std::opti
   return &pybind11::detail::cast_op<const PreparedPrompt&>(caster);
 }
 
+/// AsPrepared for add_sequence: the prompt's shared holder, which the sequence keeps instead of
+/// copying the prompt's tokens and keys.
+std::shared_ptr<const PreparedPrompt> AsPreparedShared(const pybind11::handle& tokens,
+                                                       const std::optional<LoraTaskId>& lora_task_id,
+                                                       const std::optional<CacheSalt>& cache_salt,
+                                                       const std::vector<MultimodalArg>& multimodal) {
+  pybind11::detail::make_caster<std::shared_ptr<PreparedPrompt>> caster;
+  if (!caster.load(tokens, /*convert=*/false)) return nullptr;
+  if (lora_task_id.has_value() || cache_salt.has_value() || !multimodal.empty()) {
+    ThrowInvalid("lora_task_id, cache_salt and multimodal come from the prepared prompt: pass them to prepare()");
+  }
+  return pybind11::detail::cast_op<std::shared_ptr<PreparedPrompt>>(caster);
+}
+
 /// Binds a read-only query over a prompt and its reuse keys: converts the arguments, releases
 /// the GIL and calls `query(tokens, n, extras)`.
 template <typename R>
@@ -752,7 +766,7 @@ void BindManager(pybind11::module_& m) {
              const std::vector<MultimodalArg>& multimodal, const std::vector<PriorityRangeArg>& priority_ranges,
              const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms,
              const std::optional<PrefillArg>& prefill) {
-            const PreparedPrompt* prepared = AsPrepared(tokens, lora_task_id, cache_salt, multimodal);
+            std::shared_ptr<const PreparedPrompt> prepared = AsPreparedShared(tokens, lora_task_id, cache_salt, multimodal);
             std::vector<TokenId> toks;
             if (prepared == nullptr) toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
@@ -764,7 +778,7 @@ void BindManager(pybind11::module_& m) {
             opts.decode_priority = Unwrap(decode_priority);
             opts.decode_duration_ms = decode_duration_ms;
             pybind11::gil_scoped_release release;
-            if (prepared != nullptr) return self.AddSequence(id, *prepared, opts, Unwrap(prefill));
+            if (prepared != nullptr) return self.AddSequence(id, std::move(prepared), opts, Unwrap(prefill));
             return self.AddSequence(id, toks.data(), toks.size(), opts, Unwrap(prefill));
           },
           pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("priority") = pybind11::none(),
@@ -777,9 +791,9 @@ void BindManager(pybind11::module_& m) {
           "_add_sequence_plain",
           [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
             // The common admission (no priorities, keys from the prompt): few arguments to parse.
-            if (const PreparedPrompt* p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
+            if (std::shared_ptr<const PreparedPrompt> p = AsPreparedShared(tokens, std::nullopt, std::nullopt, {})) {
               pybind11::gil_scoped_release release;
-              return self.AddSequence(id, *p, SequenceOptions{}, Unwrap(prefill));
+              return self.AddSequence(id, std::move(p), SequenceOptions{}, Unwrap(prefill));
             }
             const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
             pybind11::gil_scoped_release release;

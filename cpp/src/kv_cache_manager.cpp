@@ -731,19 +731,29 @@ std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                                          const SequenceOptions& options, std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
-  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr);
+  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr, nullptr);
 }
 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options,
                                          std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
   CheckPrepared(prompt);
-  return AddSequenceLocked(id, prompt.tokens.data(), prompt.tokens.size(), options, prefill, &prompt);
+  return AddSequenceLocked(id, prompt.tokens.data(), prompt.tokens.size(), options, prefill, &prompt, nullptr);
+}
+
+std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const PreparedPrompt> prompt,
+                                         const SequenceOptions& options, std::optional<std::int32_t> prefill) {
+  if (prompt == nullptr) ThrowInvalid("add_sequence: null prepared prompt");
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckPrepared(*prompt);
+  const PreparedPrompt& p = *prompt;
+  return AddSequenceLocked(id, p.tokens.data(), p.tokens.size(), options, prefill, &p, std::move(prompt));
 }
 
 std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
                                                const SequenceOptions& options, std::optional<std::int32_t> prefill,
-                                               const PreparedPrompt* prepared) {
+                                               const PreparedPrompt* prepared,
+                                               std::shared_ptr<const PreparedPrompt> shared) {
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
   if (prepared == nullptr) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
@@ -812,10 +822,10 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   seq.decode_priority = options.decode_priority;
   seq.decode_duration_ms = options.decode_duration_ms;
   seq.extras = extras;
-  seq.tokens.assign(tokens, tokens + n);
-  if (prepared != nullptr) {
-    seq.prompt_digests = prepared->digests;
-    seq.prompt_hashes = prepared->hashes;
+  if (prepared == nullptr) {
+    seq.tokens.assign(tokens, tokens + n);
+  } else {  // shared with the prepared prompt, or copied once if the caller keeps it alone
+    seq.prompt = shared != nullptr ? std::move(shared) : std::make_shared<const PreparedPrompt>(*prepared);
   }
   seq.windows.resize(windows_.size());
   seq.reused_tokens = reused;
@@ -1025,7 +1035,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   // 3. Mutate: append, release what left each sliding window, then allocate.
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = *batch_[i];
-    seq.tokens.push_back(tokens[i]);
+    seq.AppendToken(tokens[i]);
     ++seq.num_tokens;
     for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w, seq.num_tokens);
   }
@@ -1120,6 +1130,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
     }
   }
   backend_->Synchronize();
+  seq.OwnTokens();
   seq.tokens.resize(static_cast<std::size_t>(new_len));
   seq.num_tokens = new_len;
   // Rewound prompt tokens are prompt no longer: what store_context_blocks may store shrinks too.
@@ -1301,8 +1312,8 @@ void KVCacheManager::CheckInvariants() const {
   }
   for (const auto& [id, seq] : sequences_) {
     KVC_CHECK(seq.id == id, "sequence id mismatch");
-    KVC_CHECK(static_cast<std::int32_t>(seq.tokens.size()) == std::max(seq.num_tokens, seq.prompt_len),
-              detail::Concat("request ", id, ": token count ", seq.tokens.size(), " for ", seq.num_tokens,
+    KVC_CHECK(static_cast<std::int32_t>(seq.TokenCount()) == std::max(seq.num_tokens, seq.prompt_len),
+              detail::Concat("request ", id, ": token count ", seq.TokenCount(), " for ", seq.num_tokens,
                              " tokens with blocks and a prompt of ", seq.prompt_len));
     KVC_CHECK(seq.num_tokens >= 1 && seq.num_tokens <= max_seq_len_, detail::Concat("request ", id, ": bad length"));
     const auto positions = static_cast<std::size_t>(CeilDiv(seq.num_tokens, tpb_));
@@ -1375,7 +1386,7 @@ void KVCacheManager::CheckOwnership() const {
     std::vector<std::uint64_t> chain(static_cast<std::size_t>(num_blocks) + 1, 0);  // chain[j]: before block j
     for (std::int32_t d = 0; d < seq.num_tokens / tpb_; ++d) {  // full blocks: every block but maybe the last
       chain[static_cast<std::size_t>(d) + 1] =
-          ChainHash(chain[static_cast<std::size_t>(d)], seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_,
+          ChainHash(chain[static_cast<std::size_t>(d)], seq.TokenData() + static_cast<std::ptrdiff_t>(d) * tpb_,
                     tpb_, BlockExtrasDigest(seq.extras, d, d * tpb_, tpb_));
     }
     for (std::size_t w = 0; w < windows_.size(); ++w) {
@@ -1386,7 +1397,7 @@ void KVCacheManager::CheckOwnership() const {
         if (node == kNoNode) return;
         const std::int32_t start = j * tpb_;
         const std::int32_t len = tree_->NumTokens(node);
-        const TokenId* own = seq.tokens.data() + start;
+        const TokenId* own = seq.TokenData() + start;
         const bool same = tree_->Depth(node) == j + 1 && len >= 1 && start + len <= seq.num_tokens &&
                           std::equal(own, own + len, tree_->Tokens(node)) &&
                           tree_->Hash(node) == ChainHash(chain[static_cast<std::size_t>(j)], own, len,

@@ -172,10 +172,10 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
     *len = std::min(tpb_, key_len - start);
     // A prepared prompt's full blocks were keyed once; the rest is keyed here.
     const bool keyed =
-        *len == tpb_ && d < static_cast<std::int32_t>(seq.prompt_hashes.size()) && start + *len <= seq.prompt_len;
+        *len == tpb_ && d < static_cast<std::int32_t>(seq.NumKeyedBlocks()) && start + *len <= seq.prompt_len;
     const auto i = static_cast<std::size_t>(d);
-    *digest = keyed ? seq.prompt_digests[i] : BlockExtrasDigest(seq.extras, d, start, *len);
-    return keyed ? seq.prompt_hashes[i] : ChainHash(parent_hash, seq.tokens.data() + start, *len, *digest);
+    *digest = keyed ? seq.prompt->digests[i] : BlockExtrasDigest(seq.extras, d, start, *len);
+    return keyed ? seq.prompt->hashes[i] : ChainHash(parent_hash, seq.TokenData() + start, *len, *digest);
   };
   // The sequence's record of position d in window w: its live block and that block's
   // generation, or what it released there (the block and its generation at release).
@@ -217,7 +217,7 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
   for (std::int32_t d = 0, len = 0; d < first; ++d) {
     std::uint64_t digest = 0;
     const std::uint64_t h = key(d, parent_hash_check, &len, &digest);
-    node_check = tree_->FindChild(node_check, h, seq.tokens.data() + static_cast<std::ptrdiff_t>(d) * tpb_, len, digest);
+    node_check = tree_->FindChild(node_check, h, seq.TokenData() + static_cast<std::ptrdiff_t>(d) * tpb_, len, digest);
     KVC_CHECK(node_check != kNoNode, detail::Concat("request ", seq.id, ": store resumes past a missing node"));
     for (std::size_t w = 0; w < nw; ++w) {
       KVC_CHECK(settled(w, node_check, own_block(w, d)),
@@ -245,7 +245,7 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
     std::int32_t len = 0;
     std::uint64_t digest = 0;
     const std::uint64_t h = key(d, parent_hash, &len, &digest);
-    const TokenId* t = seq.tokens.data() + start;
+    const TokenId* t = seq.TokenData() + start;
     const NodeId node = tree_->GetOrCreateChild(parent, h, t, len, digest, HasMultimodal(seq.extras, start, len));
     if (node == kNoNode) break;  // a 64-bit hash collision with another key: stop storing
     bool any = false;

@@ -2,6 +2,8 @@
 // call that takes one, and stores chains that raw lookups find.
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "kvcache/errors.h"
@@ -58,6 +60,37 @@ TEST(PreparedPromptTest, SameAnswersAsTheRawPromptAndStoresWhatRawLookupsFind) {
   m.RemoveSequence(2);  // 22 key tokens: 4 prompt blocks from the prepared hashes, the rest keyed now
   longer.insert(longer.end(), {100, 101, 102});
   EXPECT_EQ(m.GetReusablePrefixLength(longer.data(), longer.size(), {}), 22);
+  m.CheckInvariants();
+}
+
+TEST(PreparedPromptTest, ASharedPromptIsKeptNotCopied) {
+  // The sequence holds the shared prompt (one reference) until it ends; its first generated
+  // token and a rewind copy the tokens, so the prompt itself never changes. (Full attention
+  // only, so that the rewind may reach into the prompt.)
+  ManagerConfig c = Config({0}, 64, {{64, 20}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(1), c);
+  const auto tokens = Iota(10);
+  auto p = std::make_shared<const PreparedPrompt>(m.Prepare(tokens.data(), tokens.size(), {}));
+  std::weak_ptr<const PreparedPrompt> watch = p;
+  EXPECT_EQ(m.AddSequence(1, p), 0);
+  EXPECT_EQ(p.use_count(), 2);
+  p.reset();  // the caller drops it: the sequence's copy-free prompt lives on
+  EXPECT_EQ(watch.use_count(), 1);
+  m.AddToken(1, 100);
+  m.AddToken(1, 101);
+  EXPECT_EQ(watch.lock()->tokens, tokens);  // unchanged by the appends
+  m.Rewind(1, 3);                           // back into the prompt: 9 tokens
+  m.AddToken(1, 200);
+  m.CheckInvariants();
+  m.RemoveSequence(1);  // stores 9 key tokens: 2 prepared full blocks, the third keyed now
+  EXPECT_TRUE(watch.expired());
+  auto expect = Iota(9);
+  expect.push_back(200);
+  EXPECT_EQ(m.GetReusablePrefixLength(expect.data(), expect.size(), {}), 9);
+  EXPECT_EQ(m.GetReusablePrefixLength(tokens.data(), tokens.size(), {}), 9);  // token 9 is in no block key
+  EXPECT_THROW(m.AddSequence(2, std::shared_ptr<const PreparedPrompt>{}), std::invalid_argument);
+  EXPECT_FALSE(m.HasSequence(2));
   m.CheckInvariants();
 }
 

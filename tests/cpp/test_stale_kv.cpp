@@ -36,6 +36,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <map>
 #include <optional>
 #include <random>
@@ -175,12 +176,16 @@ class FakeEngine {
 
   /// AddSequence (with `prefill`: its first chunk only), then the checks of the reused positions,
   /// the prefill of the tokens that have blocks and its window check.
-  /// With `prepared`, through a PreparedPrompt (keyed once) instead of raw tokens.
+  /// With `prepared`, through a PreparedPrompt (keyed once) instead of raw tokens: for odd ids a
+  /// shared one that only the sequence keeps afterwards (its tokens are not copied), for even
+  /// ids a copied one.
   std::int32_t Add(SeqId id, const std::vector<TokenId>& prompt, const SequenceOptions& options = {},
                    std::optional<std::int32_t> prefill = std::nullopt, bool prepared = false) {
     const std::int32_t reused = Guarded("AddSequence", [&] {
       if (!prepared) return m_.AddSequence(id, prompt.data(), prompt.size(), options, prefill);
-      return m_.AddSequence(id, m_.Prepare(prompt.data(), prompt.size(), options.extras), options, prefill);
+      PreparedPrompt p = m_.Prepare(prompt.data(), prompt.size(), options.extras);
+      if (id % 2 == 0) return m_.AddSequence(id, p, options, prefill);
+      return m_.AddSequence(id, std::make_shared<const PreparedPrompt>(std::move(p)), options, prefill);
     });
     Request& r = live_[id];
     r.extras = options.extras;

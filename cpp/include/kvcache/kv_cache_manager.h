@@ -207,6 +207,10 @@ class KVCacheManager {
   /// hashing.
   std::int32_t AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options = {},
                            std::optional<std::int32_t> prefill = std::nullopt);
+  /// The same, keeping `prompt` (shared) as the sequence's prompt tokens and keys instead of a
+  /// copy of them: nothing of the prompt is copied at admission.
+  std::int32_t AddSequence(SeqId id, std::shared_ptr<const PreparedPrompt> prompt, const SequenceOptions& options = {},
+                           std::optional<std::int32_t> prefill = std::nullopt);
   /// Converts and keys a prompt once (validated like AddSequence's): see PreparedPrompt.
   PreparedPrompt Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
   /// The same, taking over `tokens` (no copy).
@@ -396,7 +400,8 @@ class KVCacheManager {
   const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
                              const PreparedPrompt* prepared = nullptr) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
-                                 std::optional<std::int32_t> prefill, const PreparedPrompt* prepared);
+                                 std::optional<std::int32_t> prefill, const PreparedPrompt* prepared,
+                                 std::shared_ptr<const PreparedPrompt> shared);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
                                                             const ReuseExtras& extras,
                                                             std::optional<std::int32_t> prefill,

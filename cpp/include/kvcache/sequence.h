@@ -2,11 +2,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "kvcache/block_key.h"
+#include "kvcache/prepared_prompt.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/types.h"
 
@@ -40,8 +42,29 @@ struct Sequence {
   /// True while prompt tokens remain without blocks (chunked prefill).
   bool InPrefill() const { return num_tokens < prompt_len; }
   int priority = kDefaultPriority;
-  /// The whole prompt, then generated tokens (keys for reuse): max(prompt_len, num_tokens).
+  /// A prepared prompt admitted as such, shared with its PreparedPrompt (nothing copied): its
+  /// tokens, and the extras digest and chained hash of each full block, so storing hashes
+  /// nothing. Valid for block d while (d + 1) * tpb <= prompt_len. Null for a raw prompt.
+  std::shared_ptr<const PreparedPrompt> prompt;
+  /// The whole prompt, then generated tokens (keys for reuse). Empty while the tokens are
+  /// exactly `prompt->tokens` (a prepared prompt before its first generated token or rewind):
+  /// read them through TokenData() and TokenCount(), append through AppendToken().
   std::vector<TokenId> tokens;
+  const TokenId* TokenData() const { return tokens.empty() ? prompt->tokens.data() : tokens.data(); }
+  /// max(prompt_len, num_tokens).
+  std::size_t TokenCount() const { return tokens.empty() ? prompt->tokens.size() : tokens.size(); }
+  /// Full prompt blocks keyed by the prepared prompt (0 for a raw prompt).
+  std::size_t NumKeyedBlocks() const { return prompt ? prompt->hashes.size() : 0; }
+  /// Copies the shared prompt's tokens into `tokens` (room for as many again) before they change.
+  void OwnTokens() {
+    if (!tokens.empty()) return;
+    tokens.reserve(2 * prompt->tokens.size());
+    tokens.assign(prompt->tokens.begin(), prompt->tokens.end());
+  }
+  void AppendToken(TokenId t) {
+    if (tokens.empty()) OwnTokens();
+    tokens.push_back(t);
+  }
   std::vector<SequenceWindow> windows;  ///< One per window, ascending window order.
   std::uint64_t batch_stamp = 0;        ///< Duplicate detection inside one batch call.
   bool explicit_priority = false;       ///< Priority or ranges given: applied to reused blocks.
@@ -49,10 +72,6 @@ struct Sequence {
   std::optional<int> decode_priority;
   std::int64_t decode_duration_ms = 0;
   ReuseExtras extras;
-  /// Extras digest and chained hash of each full prompt block when the prompt was prepared
-  /// (PreparedPrompt): storing then needs no hashing. Valid while (d + 1) * tpb <= prompt_len.
-  std::vector<std::uint64_t> prompt_digests;
-  std::vector<std::uint64_t> prompt_hashes;
   bool valid_for_reuse = true;  ///< False once another sequence reclaimed a released block.
   /// Where the next StoreChain walk of this sequence may start instead of the root: every
   /// position before `depth` was *settled* after the last walk (nothing to store there, now or
