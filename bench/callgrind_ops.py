@@ -15,8 +15,11 @@ set-up cancelled out. Operations:
   split, placeholder) with ``N`` requests.
 * ``replay_calls``: the same replay, every timed manager call (what ``manager_s`` sums) made
   through a ``functools.partial``, so that ``valgrind --tool=callgrind
-  --toggle-collect=partial_call --toggle-collect=partial_vectorcall`` counts the manager calls
-  alone (Python call overhead included), without the replay's own work.
+  --toggle-collect=partial_vectorcall`` counts the manager calls alone (Python call overhead
+  included), without the replay's own work. Toggle on ``partial_vectorcall`` only: a call with
+  keyword arguments (``add_sequence(..., prefill=k)``, ``get_num_blocks_to_allocate(...,
+  prefill=k)``) goes on from it into ``partial_call``, and toggling on that too would switch
+  collection off inside those calls.
   ``replay_whole_calls``: the same with whole-prompt prefill.
 """
 
