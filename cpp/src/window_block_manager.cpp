@@ -264,8 +264,21 @@ void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std
     Renew(b, displaced);
     Hand(b, owner, priority, expiry_ms);
   }
-  // Then cached victims one by one: an eviction may turn other blocks into scratch blocks.
-  for (std::int32_t i = k; i < n; ++i) out[i] = Acquire(owner, priority, expiry_ms, displaced);
+  // Then cached victims one by one, each the next Acquire would take: an eviction may turn
+  // other blocks into scratch blocks, which go first. (Acquire and Grant inlined: the victim
+  // is a free primary block of this window by construction.)
+  for (std::int32_t i = k; i < n; ++i) {
+    const BlockId b = policy_.Peek(CacheLevel::kPrimary);
+    KVC_DCHECK(b != kNullBlock && state_[b].ref_count == 0 && Owns(b), "victim is not a free block of the window");
+    policy_.Remove(b);
+    if (state_[b].node != kNoNode) {
+      ++cached_evictions_;
+      EvictCached(b);
+    }
+    Renew(b, displaced);
+    Hand(b, owner, priority, expiry_ms);
+    out[i] = b;
+  }
 }
 
 void WindowBlockManager::EvictCached(BlockId victim) {
@@ -435,12 +448,33 @@ void WindowBlockManager::Link(BlockId b, NodeId node) {
   if (InPolicy(b)) Requeue(b);
 }
 
+inline void WindowBlockManager::UnlinkDropped(NodeId m, BlockId x) {
+  if (IsDisk(x) && tier_ != nullptr && state_[x].ref_count == 0) tier_->Erase(KeyOf(x));
+  tree_->SetBlock(m, index_, kNullBlock);
+  state_[x].node = kNoNode;
+  state_[x].hit = false;
+  if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
+  if (InPolicy(x)) {
+    Requeue(x);  // now holds nothing reusable: scratch
+  } else if (IsDisk(x) && state_[x].ref_count == 0) {
+    DiskUnqueue(x);
+    DiskQueue(x);  // now holds nothing: the free list
+  }
+}
+
 void WindowBlockManager::Drop(BlockId b) {
   const NodeId n = state_[b].node;
   KVC_CHECK(n != kNoNode, "drop of an uncached block");
+  if (!options_.cascade_on_evict || tree_->IsLeaf(n)) {
+    // Nothing below to drop (the common eviction: a leaf, or a sliding window's placeholder).
+    KVC_DCHECK(tree_->Block(n, index_) == b, "cached block is not its node's block");
+    UnlinkDropped(n, b);
+    if (tree_->Alive(n)) tree_->PruneUp(n);
+    return;
+  }
   std::vector<NodeId>& nodes = drop_nodes_;  // reused: Drop never runs inside another Drop
   nodes.assign(1, n);
-  if (options_.cascade_on_evict && !is_swa_) {
+  if (!is_swa_) {
     // Full attention stores whole chains and drops whole subtrees, so its blocks are
     // prefix-closed (CheckInvariants verifies it): below a node without a block of this window
     // there is none, and the walk skips such subtrees (which sliding windows' blocks may keep
@@ -450,25 +484,14 @@ void WindowBlockManager::Drop(BlockId b) {
         if (tree_->Block(c, index_) != kNullBlock) nodes.push_back(c);
       });
     }
-  } else if (options_.cascade_on_evict) {
+  } else {
     // A sliding window under "invalidate" stores only the positions a sequence still holds:
     // its blocks may sit below nodes without one.
     tree_->ForEachDescendant(n, [&](NodeId m) { nodes.push_back(m); });
   }
   for (const NodeId m : nodes) {
     const BlockId x = tree_->Block(m, index_);
-    if (x == kNullBlock) continue;
-    if (IsDisk(x) && tier_ != nullptr && state_[x].ref_count == 0) tier_->Erase(KeyOf(x));
-    tree_->SetBlock(m, index_, kNullBlock);
-    state_[x].node = kNoNode;
-    state_[x].hit = false;
-    if (events_ != nullptr) events_->PushRemoved(window_, tree_->Hash(m));
-    if (InPolicy(x)) {
-      Requeue(x);  // now holds nothing reusable: scratch
-    } else if (IsDisk(x) && state_[x].ref_count == 0) {
-      DiskUnqueue(x);
-      DiskQueue(x);  // now holds nothing: the free list
-    }
+    if (x != kNullBlock) UnlinkDropped(m, x);
   }
   for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
     if (tree_->Alive(*it)) tree_->PruneUp(*it);

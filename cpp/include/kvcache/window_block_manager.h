@@ -239,6 +239,9 @@ class WindowBlockManager {
   void Enqueue(BlockId b, bool to_front = false);
   void EvictCached(BlockId victim);
   void Requeue(BlockId b);
+  /// Drop's work for one node `m` whose block here is `x`: unlinks x and queues it as what it
+  /// now is (scratch, or a free disk slot). The node is pruned by the caller.
+  void UnlinkDropped(NodeId m, BlockId x);
   void EmitUpdated(BlockId b, std::optional<std::pair<int, int>> level,
                    std::optional<std::pair<int, int>> priority);
   // Disk tier (window_disk_tier.cpp).
