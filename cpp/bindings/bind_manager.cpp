@@ -471,26 +471,14 @@ ReuseExtras MakeExtras(const std::optional<LoraTaskId>& lora_task_id, const std:
   return extras;
 }
 
-/// The PreparedPrompt passed where tokens go, or null. Its reuse keys are fixed, so passing
-/// lora_task_id, cache_salt or multimodal as well is a mistake.
-const PreparedPrompt* AsPrepared(const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
-                                 const std::optional<CacheSalt>& cache_salt,
-                                 const std::vector<MultimodalArg>& multimodal) {
+/// The PreparedPrompt passed where tokens go (its shared holder, which a sequence keeps instead
+/// of copying the prompt), or null. Its reuse keys are fixed, so passing lora_task_id,
+/// cache_salt or multimodal as well is a mistake.
+std::shared_ptr<const PreparedPrompt> AsPrepared(const pybind11::handle& tokens,
+                                                 const std::optional<LoraTaskId>& lora_task_id,
+                                                 const std::optional<CacheSalt>& cache_salt,
+                                                 const std::vector<MultimodalArg>& multimodal) {
   // One type lookup (the caster's), not two (isinstance, then cast); subclasses load too.
-  pybind11::detail::make_caster<PreparedPrompt> caster;
-  if (!caster.load(tokens, /*convert=*/false)) return nullptr;
-  if (lora_task_id.has_value() || cache_salt.has_value() || !multimodal.empty()) {
-    ThrowInvalid("lora_task_id, cache_salt and multimodal come from the prepared prompt: pass them to prepare()");
-  }
-  return &pybind11::detail::cast_op<const PreparedPrompt&>(caster);
-}
-
-/// AsPrepared for add_sequence: the prompt's shared holder, which the sequence keeps instead of
-/// copying the prompt's tokens and keys.
-std::shared_ptr<const PreparedPrompt> AsPreparedShared(const pybind11::handle& tokens,
-                                                       const std::optional<LoraTaskId>& lora_task_id,
-                                                       const std::optional<CacheSalt>& cache_salt,
-                                                       const std::vector<MultimodalArg>& multimodal) {
   pybind11::detail::make_caster<std::shared_ptr<PreparedPrompt>> caster;
   if (!caster.load(tokens, /*convert=*/false)) return nullptr;
   if (lora_task_id.has_value() || cache_salt.has_value() || !multimodal.empty()) {
@@ -508,7 +496,7 @@ auto PromptQuery(R (KVCacheManager::*query)(const TokenId*, std::size_t, const R
                                  const std::optional<LoraTaskId>& lora_task_id,
                                  const std::optional<CacheSalt>& cache_salt,
                                  const std::vector<MultimodalArg>& multimodal) {
-    if (const PreparedPrompt* p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
+    if (const std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
       pybind11::gil_scoped_release release;
       return (self.*prepared_query)(*p);
     }
@@ -766,7 +754,7 @@ void BindManager(pybind11::module_& m) {
              const std::vector<MultimodalArg>& multimodal, const std::vector<PriorityRangeArg>& priority_ranges,
              const std::optional<DecodePriority>& decode_priority, DecodeDurationMs decode_duration_ms,
              const std::optional<PrefillArg>& prefill) {
-            std::shared_ptr<const PreparedPrompt> prepared = AsPreparedShared(tokens, lora_task_id, cache_salt, multimodal);
+            std::shared_ptr<const PreparedPrompt> prepared = AsPrepared(tokens, lora_task_id, cache_salt, multimodal);
             std::vector<TokenId> toks;
             if (prepared == nullptr) toks = ToTokens(tokens, "tokens");
             SequenceOptions opts;
@@ -791,7 +779,7 @@ void BindManager(pybind11::module_& m) {
           "_add_sequence_plain",
           [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
             // The common admission (no priorities, keys from the prompt): few arguments to parse.
-            if (std::shared_ptr<const PreparedPrompt> p = AsPreparedShared(tokens, std::nullopt, std::nullopt, {})) {
+            if (std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
               pybind11::gil_scoped_release release;
               return self.AddSequence(id, std::move(p), SequenceOptions{}, Unwrap(prefill));
             }
@@ -804,7 +792,7 @@ void BindManager(pybind11::module_& m) {
           "_blocks_to_allocate_plain",
           [](const M& self, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
             std::map<WindowSize, std::int32_t> need;
-            if (const PreparedPrompt* p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
+            if (const std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
               pybind11::gil_scoped_release release;
               need = self.GetNumBlocksToAllocate(*p, Unwrap(prefill));
             } else {
@@ -846,7 +834,7 @@ void BindManager(pybind11::module_& m) {
           [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
              const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal,
              const std::optional<PrefillArg>& prefill) {
-            if (const PreparedPrompt* p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
+            if (const std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, lora_task_id, cache_salt, multimodal)) {
               pybind11::gil_scoped_release release;
               return self.GetNumBlocksToAllocate(*p, Unwrap(prefill));
             }
