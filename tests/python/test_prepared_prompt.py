@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -54,4 +57,24 @@ def test_prepared_prompt_errors() -> None:
     with pytest.raises(ValueError, match="tokens_per_block 8"):
         m.add_sequence(1, other)
     assert m.num_sequences == 0
+    m.check_invariants()
+
+
+def test_a_sequence_keeps_its_prepared_prompt_after_the_caller_drops_it() -> None:
+    # The sequence holds the prompt itself (shared, not copied): the Python object may go.
+    m = make()
+    tokens = list(range(20, 33))  # 13 tokens
+    p = m.prepare(tokens)
+    gone = weakref.ref(p)
+    assert m.add_sequence(1, p, prefill=5) == 0
+    del p
+    gc.collect()
+    assert gone() is None  # the Python wrapper is gone; the sequence's reference is not
+    m.prefill(1, 8)
+    m.add_tokens([1], [7])
+    m.add_tokens([1], [8])  # the first generated tokens copy the prompt's into the sequence
+    m.check_invariants()
+    m.remove_sequence(1)  # stores 14 key tokens: 3 prepared full blocks, the rest keyed now
+    assert m.get_reusable_prefix_length([*tokens, 7, 8, 9]) == 14
+    assert m.get_reusable_prefix_length(tokens) == 12  # the prompt's own last token is not cached
     m.check_invariants()
