@@ -919,7 +919,8 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
       const WindowBlockManager& wm = *windows_[w];
       const SequenceWindow& sw = seq.windows[w];
       available[w] = wm.NumFreePrimary();
-      for (std::int32_t j = sw.front_null; j < ReleaseTarget(w, release_at); ++j) {
+      const std::int32_t release_end = ReleaseTarget(w, release_at);
+      for (std::int32_t j = sw.front_null; j < release_end; ++j) {
         available[w] += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
       }
     }
