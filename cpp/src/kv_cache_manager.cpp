@@ -731,14 +731,13 @@ std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
                                          const SequenceOptions& options, std::optional<std::int32_t> prefill) {
   std::lock_guard<std::mutex> lock(mu_);
-  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr, nullptr);
+  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr);
 }
 
 std::int32_t KVCacheManager::AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options,
                                          std::optional<std::int32_t> prefill) {
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckPrepared(prompt);
-  return AddSequenceLocked(id, prompt.tokens.data(), prompt.tokens.size(), options, prefill, &prompt, nullptr);
+  // The sequence keeps the prompt: a copy, since the caller keeps this one.
+  return AddSequence(id, std::make_shared<const PreparedPrompt>(prompt), options, prefill);
 }
 
 std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const PreparedPrompt> prompt,
@@ -747,13 +746,12 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const Prepare
   std::lock_guard<std::mutex> lock(mu_);
   CheckPrepared(*prompt);
   const PreparedPrompt& p = *prompt;
-  return AddSequenceLocked(id, p.tokens.data(), p.tokens.size(), options, prefill, &p, std::move(prompt));
+  return AddSequenceLocked(id, p.tokens.data(), p.tokens.size(), options, prefill, std::move(prompt));
 }
 
 std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
                                                const SequenceOptions& options, std::optional<std::int32_t> prefill,
-                                               const PreparedPrompt* prepared,
-                                               std::shared_ptr<const PreparedPrompt> shared) {
+                                               std::shared_ptr<const PreparedPrompt> prepared) {
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
   if (prepared == nullptr) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
@@ -777,7 +775,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
                                       ") sequences are already registered"));
   }
   ValidatePrefill(prefill, "add_sequence", id);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
   const std::int32_t reused = plan.reused_tokens;
   // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
   const std::int32_t first = FirstChunkEnd(n, reused, prefill);
@@ -824,8 +822,8 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   seq.extras = extras;
   if (prepared == nullptr) {
     seq.tokens.assign(tokens, tokens + n);
-  } else {  // shared with the prepared prompt, or copied once if the caller keeps it alone
-    seq.prompt = shared != nullptr ? std::move(shared) : std::make_shared<const PreparedPrompt>(*prepared);
+  } else {
+    seq.prompt = std::move(prepared);  // shared: its tokens and keys are not copied
   }
   seq.windows.resize(windows_.size());
   seq.reused_tokens = reused;

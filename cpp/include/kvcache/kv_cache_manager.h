@@ -204,7 +204,7 @@ class KVCacheManager {
                            const SequenceOptions& options = {},
                            std::optional<std::int32_t> prefill = std::nullopt);
   /// AddSequence of a prepared prompt (its extras replace options.extras): no conversion, no
-  /// hashing.
+  /// hashing. The sequence keeps a copy of the prompt.
   std::int32_t AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options = {},
                            std::optional<std::int32_t> prefill = std::nullopt);
   /// The same, keeping `prompt` (shared) as the sequence's prompt tokens and keys instead of a
@@ -400,8 +400,7 @@ class KVCacheManager {
   const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
                              const PreparedPrompt* prepared = nullptr) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
-                                 std::optional<std::int32_t> prefill, const PreparedPrompt* prepared,
-                                 std::shared_ptr<const PreparedPrompt> shared);
+                                 std::optional<std::int32_t> prefill, std::shared_ptr<const PreparedPrompt> prepared);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
                                                             const ReuseExtras& extras,
                                                             std::optional<std::int32_t> prefill,

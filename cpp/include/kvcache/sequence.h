@@ -62,7 +62,7 @@ struct Sequence {
     tokens.assign(prompt->tokens.begin(), prompt->tokens.end());
   }
   void AppendToken(TokenId t) {
-    if (tokens.empty()) OwnTokens();
+    OwnTokens();
     tokens.push_back(t);
   }
   std::vector<SequenceWindow> windows;  ///< One per window, ascending window order.
