@@ -99,10 +99,15 @@ bool WindowBlockManager::QueueProtected(BlockId b) const {
   return options_.protect_hit_blocks && state_[b].hit && state_[b].node != kNoNode;
 }
 
-void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
-  const int priority = QueuePriority(b);
-  const BlockId demoted =
-      policy_.Push(b, priority, to_front && priority == EvictionPolicy::kScratch, QueueProtected(b));
+inline void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
+  // Every caller's block is out of the queues (just freed, or removed to move it).
+  KVC_DCHECK(!policy_.Contains(b), "enqueue of a queued block");
+  BlockId demoted = kNullBlock;
+  if (state_[b].node == kNoNode) {
+    policy_.PushScratch(b, to_front);  // holds nothing reusable
+  } else {
+    demoted = policy_.Push(b, state_[b].priority, /*to_front=*/false, QueueProtected(b));
+  }
   if (clock_ != nullptr && IsPrimary(b)) stamp_[static_cast<std::size_t>(b)] = ++*clock_;
   if (demoted != kNullBlock) {
     state_[demoted].hit = false;
@@ -176,7 +181,7 @@ inline void WindowBlockManager::Hand(BlockId b, SeqId owner, int priority, std::
   s.expiry_ms = expiry_ms;
 }
 
-void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced) {
+inline void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced) {
   policy_.Remove(b);
   if (state_[b].node != kNoNode) {
     if (offload) {
@@ -242,12 +247,22 @@ void WindowBlockManager::AdoptSlab(std::int32_t slab) {
   for (BlockId b = first; b < first + slab_blocks_; ++b) policy_.Push(b, EvictionPolicy::kScratch);
 }
 
-BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms,
-                                    std::vector<SeqId>* displaced) {
+inline BlockId WindowBlockManager::TakeVictim(SeqId owner, int priority, std::int64_t expiry_ms,
+                                              std::vector<SeqId>* displaced) {
+  // Grant(victim, offload=true) without its checks: the victim is a free primary block of this
+  // window by construction.
   const BlockId b = policy_.Peek(CacheLevel::kPrimary);
   KVC_CHECK(b != kNullBlock, detail::Concat("window ", window_, " has no free block to hand out"));
+  KVC_DCHECK(state_[b].ref_count == 0 && Owns(b), "victim is not a free block of the window");
   if (state_[b].node != kNoNode) ++cached_evictions_;
-  return Grant(b, owner, priority, expiry_ms, /*offload=*/true, displaced);
+  Reclaim(b, /*offload=*/true, displaced);
+  Hand(b, owner, priority, expiry_ms);
+  return b;
+}
+
+BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms,
+                                    std::vector<SeqId>* displaced) {
+  return TakeVictim(owner, priority, expiry_ms, displaced);
 }
 
 void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
@@ -264,21 +279,9 @@ void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std
     Renew(b, displaced);
     Hand(b, owner, priority, expiry_ms);
   }
-  // Then cached victims one by one, each the next Acquire would take: an eviction may turn
-  // other blocks into scratch blocks, which go first. (Acquire and Grant inlined: the victim
-  // is a free primary block of this window by construction.)
-  for (std::int32_t i = k; i < n; ++i) {
-    const BlockId b = policy_.Peek(CacheLevel::kPrimary);
-    KVC_DCHECK(b != kNullBlock && state_[b].ref_count == 0 && Owns(b), "victim is not a free block of the window");
-    policy_.Remove(b);
-    if (state_[b].node != kNoNode) {
-      ++cached_evictions_;
-      EvictCached(b);
-    }
-    Renew(b, displaced);
-    Hand(b, owner, priority, expiry_ms);
-    out[i] = b;
-  }
+  // Then cached victims one by one: an eviction may turn other blocks into scratch blocks,
+  // which go first.
+  for (std::int32_t i = k; i < n; ++i) out[i] = TakeVictim(owner, priority, expiry_ms, displaced);
 }
 
 void WindowBlockManager::EvictCached(BlockId victim) {
@@ -339,9 +342,6 @@ inline void WindowBlockManager::ReleaseOne(BlockId b, bool to_front, SeqId relea
   if (--s.ref_count != 0) return;
   if (IsDisk(b)) {
     DiskQueue(b);
-  } else if (s.node == kNoNode) {  // Enqueue's scratch case, without its lookups
-    policy_.PushScratch(b, to_front);
-    if (clock_ != nullptr && IsPrimary(b)) stamp_[static_cast<std::size_t>(b)] = ++*clock_;
   } else {
     Enqueue(b, to_front);
   }

@@ -226,6 +226,8 @@ class WindowBlockManager {
   /// identity (offloaded when `offload`, else dropped) and the other sequences' records of its
   /// content (appended to *displaced). Its generation is bumped. Grant and LendSlab use it.
   void Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced);
+  /// Acquire's body, inlined into AcquireN's loop over cached victims.
+  BlockId TakeVictim(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Reclaim's last step: the other sequences' records of `b`'s content end (appended to
   /// *displaced), the hit mark clears and the generation is bumped.
   void Renew(BlockId b, std::vector<SeqId>* displaced);
