@@ -16,6 +16,7 @@
 #include "init_guard.h"  // first: the KVCacheManager type caster must precede every use
 #include "args.h"
 #include "bindings.h"
+#include "fast_method.h"
 #include "int_arg.h"
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
@@ -477,44 +478,6 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("decode_priority") = pybind11::none(), pybind11::arg("decode_duration_ms") = 0,
           pybind11::arg("prefill") = pybind11::none())
       .def(
-          "_add_sequence_plain",
-          [](M& self, RequestId id, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
-            // The common admission (no priorities, keys from the prompt): few arguments to parse.
-            if (std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
-              pybind11::gil_scoped_release release;
-              return self.AddSequence(id, std::move(p), SequenceOptions{}, Unwrap(prefill));
-            }
-            const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
-            pybind11::gil_scoped_release release;
-            return self.AddSequence(id, toks.data(), toks.size(), SequenceOptions{}, Unwrap(prefill));
-          },
-          pybind11::arg("request_id"), pybind11::arg("tokens"), pybind11::arg("prefill") = pybind11::none())
-      .def(
-          "_blocks_to_allocate_plain",
-          [](const M& self, const pybind11::handle& tokens, const std::optional<PrefillArg>& prefill) {
-            std::map<WindowSize, std::int32_t> need;
-            if (const std::shared_ptr<const PreparedPrompt> p = AsPrepared(tokens, std::nullopt, std::nullopt, {})) {
-              pybind11::gil_scoped_release release;
-              need = self.GetNumBlocksToAllocate(*p, Unwrap(prefill));
-            } else {
-              const std::vector<TokenId> toks = ToTokens(tokens, "tokens");
-              pybind11::gil_scoped_release release;
-              need = self.GetNumBlocksToAllocate(toks.data(), toks.size(), ReuseExtras{}, Unwrap(prefill));
-            }
-            pybind11::dict out;
-            for (const auto& [w, n] : need) out[pybind11::int_(w)] = pybind11::int_(n);
-            return out;
-          },
-          pybind11::arg("tokens"), pybind11::arg("prefill") = pybind11::none())
-      .def(
-          "prefill", [](M& self, RequestId id, ChunkTokens num_tokens) { self.Prefill(id, num_tokens); },
-          pybind11::arg("request_id"), pybind11::arg("num_tokens"), pybind11::call_guard<pybind11::gil_scoped_release>(),
-          "Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the "
-          "sliding-window blocks no query of the chunk can attend; all or nothing.")
-      .def(
-          "prompt_length", [](const M& self, RequestId id) { return self.PromptLength(id); },
-          pybind11::arg("request_id"), "Prompt tokens of the sequence (num_tokens counts those with blocks).")
-      .def(
           "_prepare",
           [](const M& self, const pybind11::handle& tokens, const std::optional<LoraTaskId>& lora_task_id,
              const std::optional<CacheSalt>& cache_salt, const std::vector<MultimodalArg>& multimodal) {
@@ -548,10 +511,6 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("cache_salt") = pybind11::none(), pybind11::arg("multimodal") = std::vector<MultimodalArg>{},
           pybind11::arg("prefill") = pybind11::none())
       .def(
-          "store_context_blocks", [](M& self, RequestId id) { return self.StoreContextBlocks(id); },
-          pybind11::arg("request_id"), pybind11::call_guard<pybind11::gil_scoped_release>(),
-          "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.")
-      .def(
           "pin_blocks",
           [](M& self, RequestId id) {
             pybind11::gil_scoped_release release;
@@ -580,8 +539,6 @@ void BindManager(pybind11::module_& m) {
           "With the dict that pin_blocks / remove_sequence(pin=True) returned: drops exactly those pins "
           "(all or nothing). With a list: unpins the stored chains ending at these blocks (of window_size; "
           "default: the full-attention window, unpinning every window).")
-      .def("refresh_blocks", &M::RefreshBlocks, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "Once per engine step: expired timed priorities return to the default; pending copies complete.")
       .def(
           "is_sequence_valid_for_reuse", [](const M& self, RequestId id) { return self.IsSequenceValidForReuse(id); },
           pybind11::arg("request_id"))
@@ -618,43 +575,13 @@ void BindManager(pybind11::module_& m) {
           "add_token", [](M& self, RequestId id, Token token) { self.AddToken(id, token); },
           pybind11::arg("request_id"), pybind11::arg("token"), "Appends one generated token.")
       .def(
-          "add_tokens",
-          [](M& self, const pybind11::handle& request_ids, const pybind11::handle& tokens) {
-            // Per-thread buffers: a decode step allocates nothing here (AddTokens runs no Python
-            // code, so nothing can reenter and reuse them meanwhile).
-            thread_local std::vector<SeqId> ids;
-            thread_local std::vector<TokenId> toks;
-            ToRequestIds(request_ids, "request_ids", &ids);
-            ToTokens(tokens, "tokens", &toks);
-            if (ids.size() != toks.size()) {
-              ThrowInvalid("add_tokens: ", ids.size(), " request ids but ", toks.size(), " tokens");
-            }
-            pybind11::gil_scoped_release release;
-            self.AddTokens(ids.data(), toks.data(), ids.size());
+          "rewind",
+          [](M& self, RequestId id, NumTokens num_tokens) {
+            // Copies a shared tail block wherever the backend has memory.
+            WithoutGilIf(self.backend() != BackendKind::kVirtual, [&] { self.Rewind(id, num_tokens); });
           },
-          pybind11::arg("request_ids"), pybind11::arg("tokens"),
-          "Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.")
-      .def(
-          "remove_sequence",
-          [](M& self, RequestId id, bool store_for_reuse, bool pin) -> pybind11::object {
-            std::map<WindowSize, std::vector<BlockId>> pinned;
-            {
-              pybind11::gil_scoped_release release;
-              pinned = self.RemoveSequence(id, store_for_reuse, pin);
-            }
-            if (!pin) return pybind11::none();
-            return pybind11::cast(pinned);
-          },
-          pybind11::arg("request_id"), pybind11::kw_only(), pybind11::arg("store_for_reuse") = true,
-          pybind11::arg("pin") = false,
-          "Ends a sequence and releases its blocks (stored for reuse first). With pin=True returns the "
-          "pinned block ids per window, which unpin_blocks_by_id takes back; else None.")
-      .def(
-          "rewind", [](M& self, RequestId id, NumTokens num_tokens) { self.Rewind(id, num_tokens); },
           pybind11::arg("request_id"), pybind11::arg("num_tokens"),
           "Drops the last num_tokens tokens, releasing blocks that become empty.")
-      .def(
-          "num_tokens", [](const M& self, RequestId id) { return self.NumTokens(id); }, pybind11::arg("request_id"))
       .def(
           "has_sequence", [](const M& self, AnyRequestId id) { return id >= 0 && self.HasSequence(id); },
           pybind11::arg("request_id"))
@@ -673,13 +600,6 @@ void BindManager(pybind11::module_& m) {
           },
           pybind11::arg("window_size") = pybind11::none(),
           "Primary blocks that can be handed out now; without window_size the minimum over windows.")
-      .def(
-          "can_allocate",
-          [](const M& self, const pybind11::dict& blocks) { return self.CanAllocate(ToBlocksNeeded(blocks)); },
-          pybind11::arg("blocks"),
-          "Whether every window can hand out blocks[window] blocks at once now (windows not named "
-          "need none; a negative count is a credit: the window frees that many first); under "
-          "lend_free_memory the windows compete for the same lendable memory.")
       .def(
           "fits_when_empty",
           [](const M& self, const pybind11::dict& blocks) { return self.FitsWhenEmpty(ToBlocksNeeded(blocks)); },
@@ -719,6 +639,7 @@ void BindManager(pybind11::module_& m) {
             self.CheckInvariants();
           },
           "Verifies every internal invariant; raises KVCacheError describing the first violation.");
+  BindStepMethods(cls);
 }
 
 }  // namespace kvcache::py

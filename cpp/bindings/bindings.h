@@ -7,4 +7,6 @@
 namespace kvcache::py {
 void BindErrors(pybind11::module_& m);
 void BindManager(pybind11::module_& m);
+/// The per-step methods of the KVCacheManager class (bind_step.cpp), added to `manager_class`.
+void BindStepMethods(pybind11::handle manager_class);
 }  // namespace kvcache::py

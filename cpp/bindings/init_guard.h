@@ -21,6 +21,10 @@
 
 #include "kvcache/kv_cache_manager.h"
 
+namespace kvcache::py {
+inline constexpr char kNotInitialized[] = "KVCacheManager is not initialized: its __init__ never ran";
+}  // namespace kvcache::py
+
 namespace pybind11::detail {
 
 template <>
@@ -32,7 +36,7 @@ class type_caster<kvcache::KVCacheManager> : public type_caster_base<kvcache::KV
   /// never constructed before the base class would allocate an unconstructed value for it.
   void load_value(value_and_holder&& v_h) {
     if (!v_h.holder_constructed()) {
-      throw std::runtime_error("KVCacheManager is not initialized: its __init__ never ran");
+      throw std::runtime_error(kvcache::py::kNotInitialized);
     }
     type_caster_base<kvcache::KVCacheManager>::load_value(std::move(v_h));
   }

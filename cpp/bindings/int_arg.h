@@ -59,6 +59,8 @@ template <typename T, const char* Name, T Lo = std::numeric_limits<T>::min(), T 
 struct Int {
   T value = 0;
   operator T() const { return value; }  // NOLINT(google-explicit-constructor): used as a T
+  /// Reads `src` as this parameter (the fast methods' conversion, see fast_method.h).
+  static T Read(pybind11::handle src) { return ReadInt<T>(src, Name, Lo, Hi); }
 };
 
 }  // namespace kvcache::py

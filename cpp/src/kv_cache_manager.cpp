@@ -299,6 +299,9 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
                                                   : std::numeric_limits<std::int64_t>::max() / 2);
   }
+  bool tiers = false;  // a host tier in some window (a disk tier needs one)
+  for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
+  may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
 }
 
 KVCacheManager::~KVCacheManager() = default;

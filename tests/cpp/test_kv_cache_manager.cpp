@@ -35,6 +35,28 @@ TEST(KVCacheManagerTest, GroupsLayersByWindow) {
   EXPECT_EQ(none.window_sizes(), (std::vector<WindowSize>{64}));
 }
 
+TEST(KVCacheManagerTest, MayCopyBlocksOnlyWithMemoryAndATierOrPartialCopies) {
+  // Two windows (8 and full 16), 4-token blocks, 8 primary blocks each.
+  auto config = [](BackendKind backend) { return Config({8, 16}, 16, {{8, 8}, {16, 8}}, 4, backend); };
+  EXPECT_FALSE(KVCacheManager(Model(2), config(BackendKind::kHost)).MayCopyBlocks());  // no tier, no reuse
+  ManagerConfig secondary = config(BackendKind::kHost);
+  secondary.blocks_per_window[16].secondary = 2;  // one window's host tier is enough (a disk tier needs one)
+  EXPECT_TRUE(KVCacheManager(Model(2), secondary).MayCopyBlocks());
+  ManagerConfig partial = config(BackendKind::kHost);
+  partial.enable_block_reuse = true;  // partial reuse and copy on partial reuse are on by default
+  EXPECT_TRUE(KVCacheManager(Model(2), partial).MayCopyBlocks());
+  partial.copy_on_partial_reuse = false;  // a partly matched block is only ever taken over
+  EXPECT_FALSE(KVCacheManager(Model(2), partial).MayCopyBlocks());
+  partial.copy_on_partial_reuse = true;
+  partial.enable_partial_reuse = false;
+  EXPECT_FALSE(KVCacheManager(Model(2), partial).MayCopyBlocks());
+  // The virtual backend has no bytes to copy, tiers or not.
+  ManagerConfig virt = secondary;
+  virt.backend = BackendKind::kVirtual;
+  virt.enable_block_reuse = true;
+  EXPECT_FALSE(KVCacheManager(Model(2), virt).MayCopyBlocks());
+}
+
 TEST(KVCacheManagerTest, RejectsBadConstruction) {
   EXPECT_THROW(KVCacheManager(Model(2), Config({8, 0}, 64, {{8, 4}})), std::invalid_argument);
   EXPECT_THROW(KVCacheManager(Model(2), Config({8, 0}, 64, {{8, 4}, {64, 0}})), std::invalid_argument);

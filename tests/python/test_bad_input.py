@@ -84,6 +84,9 @@ calls = {
     "pin_blocks": lambda: m.pin_blocks(1),
     "get_num_free_blocks": lambda: m.get_num_free_blocks(),
     "refresh_blocks": lambda: m.refresh_blocks(),
+    "prefill": lambda: m.prefill(1, 1),
+    "prompt_length": lambda: m.prompt_length(1),
+    "can_allocate": lambda: m.can_allocate({}),
     "check_invariants": lambda: m.check_invariants(),
     "get_buffers": lambda: m.get_buffers(0),
 }
@@ -91,11 +94,14 @@ if cls is _core.KVCacheManager:
     calls["_add_sequence"] = lambda: m._add_sequence(1, [1])
     calls["_stats_dict"] = lambda: m._stats_dict()
     calls["_latest_events"] = lambda: m._latest_events(0)
+    calls["_add_sequence_plain"] = lambda: m._add_sequence_plain(1, [1])
+    calls["_blocks_to_allocate_plain"] = lambda: m._blocks_to_allocate_plain([1])
 else:
     calls["add_sequence"] = lambda: m.add_sequence(1, [1])
     calls["get_kv_cache_stats"] = lambda: m.get_kv_cache_stats()
     calls["get_latest_events"] = lambda: m.get_latest_events()
     calls["get_reusable_prefix_length"] = lambda: m.get_reusable_prefix_length([1])
+    calls["get_num_blocks_to_allocate"] = lambda: m.get_num_blocks_to_allocate([1])
 out = {}
 for name, call in calls.items():
     try:
@@ -118,7 +124,7 @@ def test_methods_of_an_uninitialized_manager_raise(which: str) -> None:
     )
     assert proc.returncode == 0, f"interpreter died (rc {proc.returncode}): {proc.stderr[-2000:]}"
     results = json.loads(proc.stdout)
-    assert len(results) >= 19
+    assert len(results) >= 24
     for name, (exc_type, message) in results.items():
         assert exc_type == "RuntimeError", (name, exc_type, message)
         assert "KVCacheManager is not initialized" in message, (name, message)

@@ -188,6 +188,12 @@ class KVCacheManager {
   /// Primary (owned now, see lend_free_memory) and secondary blocks per window.
   std::map<WindowSize, WindowBlocks> blocks_per_window() const;
   bool lends_free_memory() const { return lending_; }
+  /// Whether allocating blocks (AddSequence, Prefill, AddTokens, RefreshBlocks under lending) can
+  /// copy KV bytes: only with a backend that has memory, and then only to or from a host or disk
+  /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
+  /// Without that those calls are bookkeeping alone, and the Python bindings keep the GIL for
+  /// them. (Rewind copies a shared tail block whenever the backend has memory.)
+  bool MayCopyBlocks() const { return may_copy_; }
   /// Pools in global order: ascending window, then ascending (KV-head count, head size, dtype)
   /// with dtypes in DType order.
   std::vector<PoolInfo> pools() const;
@@ -483,6 +489,7 @@ class KVCacheManager {
   Arena arena_;  // declared before windows_: freed after them
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
   bool lending_ = false;
+  bool may_copy_ = false;  ///< MayCopyBlocks()
   std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
   std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
   std::uint64_t evict_clock_ = 0;  // eviction stamps shared by the windows
