@@ -1,6 +1,8 @@
 // KVCacheManager, reuse half: planning a prefix hit, storing chains, pins, events, priorities.
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -13,6 +15,13 @@ namespace {
 
 std::int32_t CommonPrefix(const TokenId* a, const TokenId* b, std::int32_t n) {
   std::int32_t i = 0;
+  for (; i + 2 <= n; i += 2) {  // two tokens a step while they match
+    std::uint64_t x = 0;
+    std::uint64_t y = 0;
+    std::memcpy(&x, a + i, sizeof x);
+    std::memcpy(&y, b + i, sizeof y);
+    if (x != y) break;
+  }
   while (i < n && a[i] == b[i]) ++i;
   return i;
 }
@@ -53,22 +62,28 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
     hash = h;
   }
   // The longest block-aligned prefix every window can serve: a full-attention window needs every
-  // block before it, a sliding window only those covering its last `window` tokens. One pass:
-  // last_gap[w] is the last position below p that window w lacks; prefix p is served when every
-  // sliding window's gap lies before the first block it needs at p.
+  // block before it, a sliding window only those covering its last `window` tokens. The first
+  // pass cuts at a full-attention gap and looks for sliding-window gaps; only with one (blocks
+  // released and reclaimed) does the second pass run: last_gap[w] is the last position below p
+  // that window w lacks, and prefix p is served when every sliding window's gap lies before the
+  // first block it needs at p.
   auto full = static_cast<std::int32_t>(plan.path.size());
+  bool swa_gap = false;  // some sliding window lacks a block on the path (else it serves every prefix)
   for (std::size_t w = 0; w < nw; ++w) {
-    if (windows_[w]->is_swa()) continue;
+    const bool swa = windows_[w]->is_swa();
     const auto wi = static_cast<std::int32_t>(w);
     for (std::int32_t i = 0; i < full; ++i) {
       if (tree_->Block(plan.path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
-        full = i;
+        if (swa) {
+          swa_gap = true;
+        } else {
+          full = i;
+        }
         break;
       }
     }
   }
-  const bool any_swa = std::any_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
-  if (any_swa && full > 0) {
+  if (swa_gap && full > 0) {
     std::array<std::int32_t, kMaxWindowsOnStack> gaps_on_stack;
     std::vector<std::int32_t> gaps_on_heap;
     std::int32_t* last_gap = gaps_on_stack.data();
