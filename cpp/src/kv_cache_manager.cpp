@@ -584,6 +584,9 @@ void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t first, st
   switch (why) {
     case Leave::kOutOfWindow:
       KVC_DCHECK(first == sw.front_null, "out-of-window release must be at the front");
+      if (sw.released.capacity() < static_cast<std::size_t>(last)) {  // one growth, still geometric
+        sw.released.reserve(std::max(static_cast<std::size_t>(last), 2 * sw.released.capacity()));
+      }
       for (std::int32_t j = first; j < last; ++j) sw.released.emplace_back(slots[j], wm.Generation(slots[j]));
       wm.ReleaseN(slots + first, last - first, /*reverse=*/false, /*to_front=*/false, /*released_by=*/seq.id);
       sw.front_null = last;
@@ -836,6 +839,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     WindowBlockManager& wm = *windows_[w];
     SequenceWindow& sw = seq.windows[w];
+    sw.blocks.reserve(static_cast<std::size_t>(prompt_blocks));  // later chunks grow it in place
     sw.blocks.assign(static_cast<std::size_t>(num_blocks), kNullBlock);
     sw.front_null = front[w];
     sw.released.assign(static_cast<std::size_t>(front[w]), {kNullBlock, 0});

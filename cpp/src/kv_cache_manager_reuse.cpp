@@ -246,7 +246,7 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
   if (first == 0) resume = Sequence::StoreResume{};
   bool all_settled = true;  // every position walked so far is settled (and a full block)
   std::vector<KVCacheEvent> stored(events_ ? nw : 0);
-  std::vector<std::int32_t> last_stored(nw, -2);
+  std::vector<std::int32_t> last_stored(events_ ? nw : 0, -2);  // for events only
   NodeId last = parent;
   std::int32_t newly = 0;
   auto flush = [&](std::size_t w) {
