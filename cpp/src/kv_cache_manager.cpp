@@ -612,7 +612,7 @@ void KVCacheManager::ForgetReleases(const Sequence& seq) {
 bool KVCacheManager::IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const {
   const WindowBlockManager& wm = *windows_[w];
   const BlockId b = seq.windows[w].blocks[static_cast<std::size_t>(j)];
-  return wm.RefCount(b) == 1 && wm.NodeOf(b) == kNoNode && wm.Releasers(b).empty();
+  return wm.RefCount(b) == 1 && wm.NodeOf(b) == kNoNode && !wm.HasReleasers(b);
 }
 
 void KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const {

@@ -25,7 +25,7 @@ WindowBlockManager::WindowBlockManager(WindowSize window, bool is_swa, std::int3
       policy_(num_primary, num_secondary, options.protected_fraction, shared != nullptr ? shared->blocks_per_slab : 0) {
   const auto total = static_cast<std::size_t>(num_primary + num_secondary);
   state_.assign(total, BlockState{});
-  releasers_.assign(total, {});
+  more_releasers_.assign(total, {});
   primary_.assign(pools_.size(), nullptr);
   primary_stride_.assign(pools_.size(), 0);
   secondary_.assign(pools_.size(), nullptr);
@@ -163,10 +163,12 @@ void WindowBlockManager::EmitUpdated(BlockId b, std::optional<std::pair<int, int
 
 inline void WindowBlockManager::Renew(BlockId b, std::vector<SeqId>* displaced) {
   BlockState& s = state_[b];
-  if (s.has_releasers) {
-    displaced->insert(displaced->end(), releasers_[b].begin(), releasers_[b].end());
-    releasers_[b].clear();
-    s.has_releasers = false;
+  if (s.releaser >= 0) {
+    displaced->push_back(s.releaser);
+    std::vector<SeqId>& more = more_releasers_[b];
+    displaced->insert(displaced->end(), more.begin(), more.end());
+    more.clear();
+    s.releaser = -1;
   }
   s.hit = false;
   ++s.generation;
@@ -336,8 +338,11 @@ inline void WindowBlockManager::ReleaseOne(BlockId b, bool to_front, SeqId relea
   BlockState& s = state_[b];
   KVC_CHECK(s.ref_count > 0, detail::Concat("window ", window_, ": release of free block ", b));
   if (released_by >= 0) {
-    releasers_[b].push_back(released_by);
-    s.has_releasers = true;
+    if (s.releaser < 0) {
+      s.releaser = released_by;
+    } else {
+      more_releasers_[b].push_back(released_by);
+    }
   }
   if (--s.ref_count != 0) return;
   if (IsDisk(b)) {
@@ -377,12 +382,25 @@ void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool re
 }
 
 void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {
-  auto& list = releasers_[b];
-  const auto it = std::find(list.begin(), list.end(), seq);
-  KVC_CHECK(it != list.end(), detail::Concat("window ", window_, ": request ", seq, " has no release record of block ", b));
-  *it = list.back();
-  list.pop_back();
-  state_[b].has_releasers = !list.empty();
+  SeqId& first = state_[b].releaser;
+  std::vector<SeqId>& more = more_releasers_[b];
+  if (first == seq) {
+    first = more.empty() ? -1 : more.back();
+    if (!more.empty()) more.pop_back();
+    return;
+  }
+  const auto it = std::find(more.begin(), more.end(), seq);
+  KVC_CHECK(it != more.end(), detail::Concat("window ", window_, ": request ", seq, " has no release record of block ", b));
+  *it = more.back();
+  more.pop_back();
+}
+
+std::vector<SeqId> WindowBlockManager::Releasers(BlockId b) const {
+  std::vector<SeqId> out;
+  if (state_[b].releaser < 0) return out;
+  out.push_back(state_[b].releaser);
+  out.insert(out.end(), more_releasers_[b].begin(), more_releasers_[b].end());
+  return out;
 }
 
 BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
@@ -533,9 +551,10 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
                                          expected_refs[b], " references from sequences and pins"));
     }
     const bool free = state_[b].ref_count == 0;
+    KVC_CHECK(state_[b].releaser >= 0 || more_releasers_[b].empty(),
+              detail::Concat("window ", window_, ": block ", b, " has further releasers but no first one"));
     if (IsPrimary(b) && !Owns(b)) {  // lent to another window: nothing of this window's
-      KVC_CHECK(free && !policy_.Contains(b) && state_[b].node == kNoNode && !state_[b].has_releasers &&
-                    releasers_[b].empty(),
+      KVC_CHECK(free && !policy_.Contains(b) && state_[b].node == kNoNode && state_[b].releaser < 0,
                 detail::Concat("window ", window_, ": block ", b, " of a slab it does not own is in use"));
       continue;
     }

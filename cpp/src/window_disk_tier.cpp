@@ -12,7 +12,7 @@ void WindowBlockManager::AttachTier(std::int32_t num_disk, std::shared_ptr<Secon
   tier_ = std::move(tier);
   const auto total = static_cast<std::size_t>(num_blocks());
   state_.resize(total);
-  releasers_.resize(total);
+  more_releasers_.resize(total);
   disk_stamp_.assign(static_cast<std::size_t>(num_disk), 0);
   disk_in_free_.assign(static_cast<std::size_t>(num_disk), false);
   // Handed out lowest id first.

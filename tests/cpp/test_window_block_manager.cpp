@@ -154,6 +154,31 @@ TEST(WindowBlockManagerTest, ReleaseNReturnsWhatReleaseWould) {
   EXPECT_EQ(t.FreeOrder(), (std::vector<BlockId>{8, 9, 10, 11, 6, 5, 3, 1, 0, 2}));
 }
 
+TEST(WindowBlockManagerTest, SeveralReleasersOfOneBlockAreKeptForgottenAndDisplaced) {
+  Twin t(true);
+  std::vector<SeqId> displaced;
+  std::vector<BlockId> b(1);
+  t.wm->AcquireN(1, /*owner=*/1, kDefaultPriority, 0, b.data(), &displaced);
+  for (int i = 0; i < 4; ++i) t.wm->Claim(b[0]);  // five sequences share it
+  EXPECT_FALSE(t.wm->HasReleasers(b[0]));
+  for (const SeqId id : {5, 6, 7}) t.wm->Release(b[0], false, /*released_by=*/id);
+  EXPECT_TRUE(t.wm->HasReleasers(b[0]));
+  EXPECT_EQ(t.wm->Releasers(b[0]), (std::vector<SeqId>{5, 6, 7}));
+  t.wm->ForgetRelease(b[0], 5);  // the first: a later one takes its place
+  EXPECT_EQ(t.wm->Releasers(b[0]), (std::vector<SeqId>{7, 6}));
+  t.wm->ForgetRelease(b[0], 6);
+  EXPECT_EQ(t.wm->Releasers(b[0]), (std::vector<SeqId>{7}));
+  EXPECT_THROW(t.wm->ForgetRelease(b[0], 6), InternalError);  // no record left
+  t.wm->Release(b[0], false, /*released_by=*/8);
+  t.wm->Release(b[0], false, /*released_by=*/9);  // free now, with releasers 7, 8 and 9
+  EXPECT_EQ(t.wm->RefCount(b[0]), 0);
+  std::vector<BlockId> taken(kBlocks);
+  t.wm->AcquireN(kBlocks, /*owner=*/2, kDefaultPriority, 0, taken.data(), &displaced);
+  EXPECT_EQ(displaced, (std::vector<SeqId>{7, 8, 9}));  // handed out again: their records are stale
+  EXPECT_FALSE(t.wm->HasReleasers(b[0]));
+  EXPECT_TRUE(t.wm->Releasers(b[0]).empty());
+}
+
 TEST(WindowBlockManagerTest, ReleaseNOfAFreeBlockIsAnInternalError) {
   Twin t(false);
   std::vector<SeqId> displaced;

@@ -196,8 +196,10 @@ class WindowBlockManager {
   void ReleaseN(const BlockId* blocks, std::int32_t n, bool reverse, bool to_front = false, SeqId released_by = -1);
   /// Removes one record of `seq` from `b`'s releasers (the sequence ended).
   void ForgetRelease(BlockId b, SeqId seq);
-  /// Live sequences that released `b` out of window since its last Grant.
-  const std::vector<SeqId>& Releasers(BlockId b) const { return releasers_[b]; }
+  /// Whether a live sequence released `b` out of window since its last Grant.
+  bool HasReleasers(BlockId b) const { return state_[b].releaser >= 0; }
+  /// Live sequences that released `b` out of window since its last Grant (checks and tests).
+  std::vector<SeqId> Releasers(BlockId b) const;
   /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block for
   /// `owner` and relinks the tree node to it; releases `s`. Returns the primary block.
   BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
@@ -289,13 +291,15 @@ class WindowBlockManager {
     std::uint32_t generation = 0;
     NodeId node = kNoNode;  // the tree node whose content the block caches
     std::int8_t priority = static_cast<std::int8_t>(kDefaultPriority);
-    bool has_releasers = false;  // releasers_[b] is not empty
     bool hit = false;            // served a reuse hit since it was linked (protected when free)
     SeqId owner = -1;
+    // A live sequence holding a record of the content (released out of window), -1: none. Nearly
+    // always one at most: the others, if any, are in more_releasers_[b] (no allocation per block).
+    SeqId releaser = -1;
     std::int64_t expiry_ms = 0;
   };
   std::vector<BlockState> state_;
-  std::vector<std::vector<SeqId>> releasers_;  // live sequences holding a record of the content
+  std::vector<std::vector<SeqId>> more_releasers_;  // releasers after state_[b].releaser
   std::vector<BlockId> timed_;  // blocks with an expiry
   std::int64_t offloaded_ = 0;
   std::int64_t onboarded_ = 0;
