@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
+from test_manager import snapshot
 
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
 
@@ -28,19 +28,6 @@ def make(backend: str = "virtual", secondary: int = 0, primary: int = 16) -> KVC
     )
     blocks = {8: (primary, secondary), 64: (primary, secondary)}
     return KVCacheManager.from_blocks(MODEL, cfg, blocks, max_seq_len=64, max_batch_size=8)
-
-
-def state(m: KVCacheManager) -> tuple[Any, ...]:
-    """What a failing call must leave as it was."""
-    ids = [i for i in range(4) if m.has_sequence(i)]
-    return (
-        [
-            (i, m.num_tokens(i), m.get_cache_block_ids(i, 8), m.get_cache_block_ids(i, 64))
-            for i in ids
-        ],
-        [m.get_num_free_blocks(w) for w in (8, 64)],
-        m.get_kv_cache_stats().alloc_total_blocks,
-    )
 
 
 def test_arguments_by_position_and_by_keyword_do_the_same() -> None:
@@ -167,10 +154,10 @@ def test_bad_arguments_raise_and_change_nothing(
 ) -> None:
     m = make()
     m.add_sequence(1, list(range(20)), prefill=8)
-    before = state(m)
+    before = snapshot(m, [1, 2])
     with pytest.raises(exc, match=match):
         call(m)
-    assert state(m) == before
+    assert snapshot(m, [1, 2]) == before
     m.check_invariants()
 
 
