@@ -384,9 +384,12 @@ void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool re
 void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {
   SeqId& first = state_[b].releaser;
   std::vector<SeqId>& more = more_releasers_[b];
-  if (first == seq) {
-    first = more.empty() ? -1 : more.back();
-    if (!more.empty()) more.pop_back();
+  if (first == seq) {  // a later releaser, if any, takes its place
+    first = -1;
+    if (!more.empty()) {
+      first = more.back();
+      more.pop_back();
+    }
     return;
   }
   const auto it = std::find(more.begin(), more.end(), seq);
