@@ -18,12 +18,9 @@
 
 namespace kvcache::py {
 
-/// Reads a Python int (or an object with __index__, such as numpy.int64) as a T in [lo, hi].
-/// Anything else raises ValueError naming the argument. bool is refused: Python counts it as an
-/// int, but True is never a meaningful id, count or size.
+/// ReadInt's general path: bool, __index__ objects, values out of range and errors.
 template <typename T>
-T ReadInt(pybind11::handle src, const char* name, T lo, T hi) {
-  static_assert(std::is_integral_v<T> && sizeof(T) <= sizeof(long long), "64-bit at most");
+[[gnu::noinline, gnu::cold]] T ReadIntSlow(pybind11::handle src, const char* name, T lo, T hi) {
   PyObject* obj = src.ptr();
   if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
     ThrowInvalid(name, " must be an int, got ", Py_TYPE(obj)->tp_name);
@@ -50,6 +47,29 @@ T ReadInt(pybind11::handle src, const char* name, T lo, T hi) {
     PyErr_Clear();
   }
   ThrowInvalid(name, " = ", pybind11::str(obj).cast<std::string>(), " is out of range [", lo, ", ", hi, "]");
+}
+
+/// Reads a Python int (or an object with __index__, such as numpy.int64) as a T in [lo, hi].
+/// Anything else raises ValueError naming the argument. bool is refused: Python counts it as an
+/// int, but True is never a meaningful id, count or size.
+template <typename T>
+T ReadInt(pybind11::handle src, const char* name, T lo, T hi) {
+  static_assert(std::is_integral_v<T> && sizeof(T) <= sizeof(long long), "64-bit at most");
+  // The per-step calls pass plain ints: read those inline, everything else (bool, __index__
+  // objects, out of range, errors) out of line.
+  if (PyLong_CheckExact(src.ptr())) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(src.ptr(), &overflow);
+    if constexpr (std::is_signed_v<T>) {
+      if (overflow == 0 && v >= lo && v <= hi) return static_cast<T>(v);
+    } else {
+      if (overflow == 0 && v >= 0 && static_cast<unsigned long long>(v) >= lo &&
+          static_cast<unsigned long long>(v) <= hi) {
+        return static_cast<T>(v);
+      }
+    }
+  }
+  return ReadIntSlow<T>(src, name, lo, hi);
 }
 
 /// An integer parameter in [Lo, Hi]; `Name` is the argument's name in error messages. Converts

@@ -512,6 +512,7 @@ void KVCacheManager::InvalidateLent() {
 }
 
 void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
+  if (!lending_) return;  // nothing is borrowed, nothing was lent
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     for (; borrow_[w] > 0; --borrow_[w]) {
       std::size_t donor = windows_.size();
@@ -917,7 +918,11 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
   const std::int32_t release_at = seq.num_tokens + 1;
   const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
   const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
-  if (need > 0) {
+  // Every window with enough free blocks already (the usual case) needs no counting of what the
+  // chunk releases, and borrows nothing.
+  const bool free_enough = std::all_of(windows_.begin(), windows_.end(),
+                                       [need](const auto& wm) { return wm->NumFreePrimary() >= need; });
+  if (need > 0 && !free_enough) {
     std::vector<std::int64_t>& available = check_available_;
     std::fill(check_need_.begin(), check_need_.end(), need);
     for (std::size_t w = 0; w < windows_.size(); ++w) {

@@ -186,6 +186,28 @@ TEST(ChunkedPrefillTest, FailuresChangeNothing) {
   m.CheckInvariants();
 }
 
+TEST(ChunkedPrefillTest, ChunkThatFitsOnlyThroughItsOwnReleases) {
+  // Window 4 with 3 blocks: after the first chunk 1 is free, and the second chunk needs 2. It
+  // fits because the chunk first releases position 0; a chunk needing 3 does not, and fails
+  // with nothing changed.
+  KVCacheManager m(Model(2), Config({4, 0}, 64, {{4, 3}, {64, 20}}, 4, BackendKind::kVirtual));
+  const auto prompt = Iota(28);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 8);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{0, 1}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 1);
+  const Snapshot before = Take(m, {1});
+  EXPECT_THROW(m.Prefill(1, 12), OutOfBlocksError);  // 3 new blocks; 1 free + 1 released
+  EXPECT_EQ(Take(m, {1}), before);
+  m.Prefill(1, 8);  // starts at 8: position 0 leaves the window first
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, 1, 2, 0}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 2, 3}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 0);
+  m.Prefill(1, 4);  // starts at 16: positions 1 and 2 leave, one block is needed
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, N, N, 0, 1}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 1);
+  m.CheckInvariants();
+}
+
 TEST(ChunkedPrefillTest, SlidingWindowHoldsAtMostWindowPlusChunkWhateverThePrompt) {
   constexpr std::int32_t kWindow = 8;
   constexpr std::int32_t kTpb = 4;
