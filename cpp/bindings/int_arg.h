@@ -18,6 +18,16 @@
 
 namespace kvcache::py {
 
+/// Whether `v` (a value that fit a long long) lies in [lo, hi].
+template <typename T>
+bool InRange(long long v, T lo, T hi) {
+  if constexpr (std::is_signed_v<T>) {
+    return v >= lo && v <= hi;
+  } else {
+    return v >= 0 && static_cast<unsigned long long>(v) >= lo && static_cast<unsigned long long>(v) <= hi;
+  }
+}
+
 /// ReadInt's general path: bool, __index__ objects, values out of range and errors.
 template <typename T>
 [[gnu::noinline, gnu::cold]] T ReadIntSlow(pybind11::handle src, const char* name, T lo, T hi) {
@@ -34,17 +44,13 @@ template <typename T>
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
   if (v == -1 && PyErr_Occurred() != nullptr) throw pybind11::error_already_set();
-  if constexpr (std::is_signed_v<T>) {
-    if (overflow == 0 && v >= lo && v <= hi) return static_cast<T>(v);
-  } else if (overflow == 0) {
-    if (v >= 0 && static_cast<unsigned long long>(v) >= lo && static_cast<unsigned long long>(v) <= hi) {
-      return static_cast<T>(v);
+  if (overflow == 0 && InRange(v, lo, hi)) return static_cast<T>(v);
+  if constexpr (std::is_unsigned_v<T>) {
+    if (overflow > 0) {  // above INT64_MAX: only an unsigned 64-bit parameter can take it
+      const unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+      if (PyErr_Occurred() == nullptr && u >= lo && u <= hi) return static_cast<T>(u);
+      PyErr_Clear();
     }
-  } else if (overflow > 0) {
-    // Above INT64_MAX: only an unsigned 64-bit parameter can take it.
-    const unsigned long long u = PyLong_AsUnsignedLongLong(obj);
-    if (PyErr_Occurred() == nullptr && u >= lo && u <= hi) return static_cast<T>(u);
-    PyErr_Clear();
   }
   ThrowInvalid(name, " = ", pybind11::str(obj).cast<std::string>(), " is out of range [", lo, ", ", hi, "]");
 }
@@ -60,14 +66,7 @@ T ReadInt(pybind11::handle src, const char* name, T lo, T hi) {
   if (PyLong_CheckExact(src.ptr())) {
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(src.ptr(), &overflow);
-    if constexpr (std::is_signed_v<T>) {
-      if (overflow == 0 && v >= lo && v <= hi) return static_cast<T>(v);
-    } else {
-      if (overflow == 0 && v >= 0 && static_cast<unsigned long long>(v) >= lo &&
-          static_cast<unsigned long long>(v) <= hi) {
-        return static_cast<T>(v);
-      }
-    }
+    if (overflow == 0 && InRange(v, lo, hi)) return static_cast<T>(v);
   }
   return ReadIntSlow<T>(src, name, lo, hi);
 }

@@ -918,11 +918,10 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
   const std::int32_t release_at = seq.num_tokens + 1;
   const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
   const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
-  // Every window with enough free blocks already (the usual case) needs no counting of what the
-  // chunk releases, and borrows nothing.
-  const bool free_enough = std::all_of(windows_.begin(), windows_.end(),
-                                       [need](const auto& wm) { return wm->NumFreePrimary() >= need; });
-  if (need > 0 && !free_enough) {
+  // What the chunk's releases free (and slab borrowing) matters only when some window lacks
+  // free blocks for it; usually every window has them.
+  if (need > 0 && std::any_of(windows_.begin(), windows_.end(),
+                              [need](const auto& wm) { return wm->NumFreePrimary() < need; })) {
     std::vector<std::int64_t>& available = check_available_;
     std::fill(check_need_.begin(), check_need_.end(), need);
     for (std::size_t w = 0; w < windows_.size(); ++w) {
