@@ -160,6 +160,24 @@ std::vector<SeqId> ToRequestIds(const pybind11::handle& obj, const char* what) {
   return ids;
 }
 
+void ToChunkSizes(const pybind11::handle& obj, const char* what, std::vector<std::int32_t>* out) {
+  if (IntsFromListOrTuple(obj.ptr(), 1, INT32_MAX, out)) return;
+  const std::vector<std::int64_t> raw = ToInt64Vector(obj, what);
+  out->clear();
+  for (std::size_t i = 0; i < raw.size(); ++i) {
+    if (raw[i] < 1 || raw[i] > INT32_MAX) ThrowInvalid(what, "[", i, "] = ", raw[i], " is out of range [1, ", INT32_MAX, "]");
+    out->push_back(static_cast<std::int32_t>(raw[i]));
+  }
+}
+
+bool IsBatchArg(PyObject* obj) {
+  if (PyLong_Check(obj)) return false;
+  if (PyList_Check(obj) || PyTuple_Check(obj)) return true;
+  if (pybind11::isinstance<pybind11::array>(obj)) return pybind11::reinterpret_borrow<pybind11::array>(obj).ndim() > 0;
+  // A str or bytes is neither: the int reader rejects it with a TypeError.
+  return PySequence_Check(obj) && !PyIndex_Check(obj) && !PyUnicode_Check(obj) && !PyBytes_Check(obj);
+}
+
 void ToTokens(const pybind11::handle& obj, const char* what, std::vector<TokenId>* out) {
   if (IntsFromListOrTuple(obj.ptr(), 0, INT32_MAX, out)) return;
   if (pybind11::isinstance<pybind11::array>(obj)) {

@@ -118,6 +118,14 @@ std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::dict& blocks);
 void ToRequestIds(const pybind11::handle& obj, const char* what, std::vector<SeqId>* ids);
 std::vector<SeqId> ToRequestIds(const pybind11::handle& obj, const char* what);
 
+/// Chunk sizes (prefill's num_tokens, each in [1, 2**31)) from a 1-D integer ndarray or a
+/// sequence of ints into *out.
+void ToChunkSizes(const pybind11::handle& obj, const char* what, std::vector<std::int32_t>* out);
+
+/// Whether a per-step argument names a batch (a list, tuple, 1-D array or other sequence of
+/// ints) rather than one request (an int, or an object with __index__).
+bool IsBatchArg(PyObject* obj);
+
 /// Token ids from a 1-D integer ndarray (int32/int64 read in place) or a sequence of ints into
 /// *out.
 void ToTokens(const pybind11::handle& obj, const char* what, std::vector<TokenId>* out);

@@ -52,16 +52,30 @@ PyObject* NewCountDict(const std::map<WindowSize, std::int32_t>& counts) {
 PyObject* Prefill(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
   static constexpr FastParams<2> kParams{"prefill", {"request_id", "num_tokens"}, 2, 2};
   const auto a = ParseArgs(kParams, args, nargsf, kwnames);
-  const SeqId id = RequestId::Read(a[0]);
-  const std::int32_t num_tokens = ChunkTokens::Read(a[1]);
-  WithoutGilIf(self.MayCopyBlocks(), [&] { self.Prefill(id, num_tokens); });
+  if (!IsBatchArg(a[0])) {
+    const SeqId id = RequestId::Read(a[0]);
+    const std::int32_t num_tokens = ChunkTokens::Read(a[1]);
+    WithoutGilIf(self.MayCopyBlocks(), [&] { self.Prefill(id, num_tokens); });
+    return NewNone();
+  }
+  // A step's chunks at once. Per-thread buffers, as in add_tokens.
+  thread_local std::vector<SeqId> ids;
+  thread_local std::vector<std::int32_t> counts;
+  ToRequestIds(a[0], "request_id", &ids);
+  if (!IsBatchArg(a[1])) ThrowInvalid("prefill: with a list of request ids, num_tokens must be a list as long");
+  ToChunkSizes(a[1], "num_tokens", &counts);
+  if (ids.size() != counts.size()) ThrowInvalid("prefill: ", ids.size(), " request ids but ", counts.size(), " num_tokens");
+  WithoutGilIf(self.MayCopyBlocks(), [&] { self.Prefill(ids.data(), counts.data(), ids.size()); });
   return NewNone();
 }
 
 PyObject* StoreContextBlocks(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
   static constexpr FastParams<1> kParams{"store_context_blocks", {"request_id"}, 1, 1};
   const auto a = ParseArgs(kParams, args, nargsf, kwnames);
-  return NewInt(self.StoreContextBlocks(RequestId::Read(a[0])));  // never copies
+  if (!IsBatchArg(a[0])) return NewInt(self.StoreContextBlocks(RequestId::Read(a[0])));  // never copies
+  thread_local std::vector<SeqId> ids;
+  ToRequestIds(a[0], "request_id", &ids);
+  return NewInt(self.StoreContextBlocks(ids.data(), ids.size()));
 }
 
 PyObject* NumTokensOf(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
@@ -148,14 +162,16 @@ PyObject* BlocksToAllocatePlain(M& self, PyObject* const* args, Py_ssize_t nargs
 
 PyMethodDef step_methods[] = {
     FastMethod<Prefill>("prefill",
-                        "prefill(self: kvcache._core.KVCacheManager, request_id: typing.SupportsIndex, num_tokens: "
-                        "typing.SupportsIndex) -> None\n\n"
+                        "prefill(self: kvcache._core.KVCacheManager, request_id: object, num_tokens: object) -> "
+                        "None\n\n"
                         "Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the "
-                        "sliding-window blocks no query of the chunk can attend; all or nothing.\n"),
+                        "sliding-window blocks no query of the chunk can attend; all or nothing. With equal-length "
+                        "lists, a step's chunks in one call.\n"),
     FastMethod<StoreContextBlocks>(
         "store_context_blocks",
-        "store_context_blocks(self: kvcache._core.KVCacheManager, request_id: typing.SupportsIndex) -> int\n\n"
-        "Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.\n"),
+        "store_context_blocks(self: kvcache._core.KVCacheManager, request_id: object) -> int\n\n"
+        "Stores the sequence's full prompt blocks for reuse now (a list: each sequence's); returns block positions "
+        "newly stored.\n"),
     FastMethod<NumTokensOf>(
         "num_tokens", "num_tokens(self: kvcache._core.KVCacheManager, request_id: typing.SupportsIndex) -> int\n"),
     FastMethod<PromptLength>(

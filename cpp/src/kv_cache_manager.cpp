@@ -903,62 +903,105 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   return reused;
 }
 
-void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) {
+void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) { Prefill(&id, &num_tokens, 1); }
+
+void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  Sequence& seq = Find(id);
-  if (num_tokens < 1) ThrowInvalid("prefill: num_tokens must be >= 1, got ", num_tokens);
-  const std::int32_t remaining = seq.prompt_len - seq.num_tokens;
-  if (num_tokens > remaining) {
-    ThrowInvalid("prefill: request ", id, " has ", std::max(remaining, 0), " prompt tokens left, cannot prefill ",
-                 num_tokens);
+  // 1. Validate every argument before touching anything.
+  ++stamp_;
+  batch_.clear();
+  std::int64_t need = 0;  // new blocks of the whole batch (the same in every window)
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& seq = Find(ids[i]);
+    if (seq.batch_stamp == stamp_) ThrowInvalid("request id ", ids[i], " appears twice in one prefill call");
+    seq.batch_stamp = stamp_;
+    if (num_tokens[i] < 1) ThrowInvalid("prefill: num_tokens must be >= 1, got ", num_tokens[i]);
+    const std::int32_t remaining = seq.prompt_len - seq.num_tokens;
+    if (num_tokens[i] > remaining) {
+      ThrowInvalid("prefill: request ", ids[i], " has ", std::max(remaining, 0), " prompt tokens left, cannot prefill ",
+                   num_tokens[i]);
+    }
+    need += CeilDiv(seq.num_tokens + num_tokens[i], tpb_) - static_cast<std::int32_t>(seq.windows[0].blocks.size());
+    batch_.push_back(&seq);
   }
-  const std::int32_t new_len = seq.num_tokens + num_tokens;
-  // The chunk's first query, at position num_tokens, attends nothing before what a sequence of
-  // num_tokens + 1 tokens keeps: the same release rule as a decode step.
-  const std::int32_t release_at = seq.num_tokens + 1;
-  const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
-  const std::int32_t need = CeilDiv(new_len, tpb_) - positions;
-  // What the chunk's releases free (and slab borrowing) matters only when some window lacks
-  // free blocks for it; usually every window has them.
+  // 2. Check. A chunk's first query, at position num_tokens, attends nothing before what a
+  //    sequence of num_tokens + 1 tokens keeps: the decode step's release rule, so what the
+  //    releases free counts as in AddTokens. It (and slab borrowing) matters only when some
+  //    window lacks free blocks for the chunks; usually every window has them.
   if (need > 0 && std::any_of(windows_.begin(), windows_.end(),
                               [need](const auto& wm) { return wm->NumFreePrimary() < need; })) {
     std::vector<std::int64_t>& available = check_available_;
+    for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary() + FreedByBatchReleases(w);
     std::fill(check_need_.begin(), check_need_.end(), need);
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      const WindowBlockManager& wm = *windows_[w];
-      const SequenceWindow& sw = seq.windows[w];
-      available[w] = wm.NumFreePrimary();
-      const std::int32_t release_end = ReleaseTarget(w, release_at);
-      for (std::int32_t j = sw.front_null; j < release_end; ++j) {
-        available[w] += wm.RefCount(sw.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
-      }
-    }
     const std::int64_t short_w = PlanBlocks(check_need_, available);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
-      throw OutOfBlocksError(detail::Concat("prefill: request ", id, " needs ", need, " new blocks in window ",
-                                            window_sizes_[w], " for ", num_tokens, " tokens but only ", available[w],
-                                            " can be freed or are free", LendNote(w)));
+      if (n == 1) {
+        throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
+                                              window_sizes_[w], " for ", num_tokens[0], " tokens but only ",
+                                              available[w], " can be freed or are free", LendNote(w)));
+      }
+      throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ",
+                                            n, " requests but only ", available[w], " can be freed or are free",
+                                            LendNote(w)));
     }
   }
   MoveSlabs();
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    ReleaseFront(seq, w, release_at);
-    if (need > 0) {
-      seq.windows[w].blocks.resize(static_cast<std::size_t>(positions + need), kNullBlock);
-      AttachFresh(seq, w, positions, positions + need);
-    }
-    counters_[w].alloc_total += need;
-    counters_[w].alloc_new += need;
+  // 3. Mutate: every sequence releases first (the check credited those blocks), then hands out.
+  for (Sequence* seq : batch_) {
+    for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(*seq, w, seq->num_tokens + 1);
   }
-  seq.new_blocks += static_cast<std::int64_t>(need) * static_cast<std::int64_t>(windows_.size());
-  seq.num_tokens = new_len;
+  for (std::size_t i = 0; i < n; ++i) {
+    Sequence& seq = *batch_[i];
+    const std::int32_t new_len = seq.num_tokens + num_tokens[i];
+    const auto positions = static_cast<std::int32_t>(seq.windows[0].blocks.size());
+    const std::int32_t grow = CeilDiv(new_len, tpb_) - positions;
+    if (grow > 0) {
+      for (std::size_t w = 0; w < windows_.size(); ++w) {
+        seq.windows[w].blocks.resize(static_cast<std::size_t>(positions + grow), kNullBlock);
+        AttachFresh(seq, w, positions, positions + grow);
+      }
+      seq.new_blocks += static_cast<std::int64_t>(grow) * static_cast<std::int64_t>(windows_.size());
+    }
+    seq.num_tokens = new_len;
+  }
+  for (auto& c : counters_) {
+    c.alloc_total += need;
+    c.alloc_new += need;
+  }
   backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
 }
 
 std::int32_t KVCacheManager::PromptLength(SeqId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return Find(id).prompt_len;
+}
+
+std::int64_t KVCacheManager::FreedByBatchReleases(std::size_t w) {
+  const WindowBlockManager& wm = *windows_[w];
+  std::int64_t freed = 0;
+  shared_release_.clear();
+  for (const Sequence* seq : batch_) {
+    const SequenceWindow& sw = seq->windows[w];
+    const std::int32_t target = ReleaseTarget(w, seq->num_tokens + 1);
+    for (std::int32_t j = sw.front_null; j < target; ++j) {
+      const BlockId b = sw.blocks[static_cast<std::size_t>(j)];
+      if (wm.RefCount(b) == 1) {
+        ++freed;
+      } else {
+        shared_release_.push_back(b);
+      }
+    }
+  }
+  // A block shared by several sequences of the batch is freed if all its holders release it.
+  std::sort(shared_release_.begin(), shared_release_.end());
+  for (std::size_t i = 0; i < shared_release_.size();) {
+    std::size_t j = i;
+    while (j < shared_release_.size() && shared_release_[j] == shared_release_[i]) ++j;
+    if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++freed;
+    i = j;
+  }
+  return freed;
 }
 
 void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 1); }
@@ -989,46 +1032,19 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).
-  // A window's blocks freed by this step's releases (only counted where they matter).
-  auto released = [&](std::size_t w) {
-    const WindowBlockManager& wm = *windows_[w];
-    std::int64_t freed = 0;
-    shared_release_.clear();
-    for (const Sequence* seq : batch_) {
-      const SequenceWindow& sw = seq->windows[w];
-      const std::int32_t target = ReleaseTarget(w, seq->num_tokens + 1);
-      for (std::int32_t j = sw.front_null; j < target; ++j) {
-        const BlockId b = sw.blocks[static_cast<std::size_t>(j)];
-        if (wm.RefCount(b) == 1) {
-          ++freed;
-        } else {
-          shared_release_.push_back(b);
-        }
-      }
-    }
-    // A block shared by several sequences of the batch is freed if all its holders release it.
-    std::sort(shared_release_.begin(), shared_release_.end());
-    for (std::size_t i = 0; i < shared_release_.size();) {
-      std::size_t j = i;
-      while (j < shared_release_.size() && shared_release_[j] == shared_release_[i]) ++j;
-      if (static_cast<std::int32_t>(j - i) == wm.RefCount(shared_release_[i])) ++freed;
-      i = j;
-    }
-    return freed;
-  };
   bool short_of_blocks = false;
   for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
     std::int64_t& available = check_available_[w];
     available = windows_[w]->NumFreePrimary();
     batch_counted_[w] = 0;
     if (available >= need) continue;
-    available += released(w);
+    available += FreedByBatchReleases(w);
     batch_counted_[w] = 1;
     short_of_blocks = short_of_blocks || available < need;
   }
   if (short_of_blocks && lending_) {  // the others lend what they keep beyond their need
     for (std::size_t w = 0; w < windows_.size(); ++w) {
-      if (!batch_counted_[w]) check_available_[w] += released(w);
+      if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
     }
   }
   if (short_of_blocks) {

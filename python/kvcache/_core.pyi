@@ -247,9 +247,9 @@ class KVCacheManager:
         """
         Stores the sequence's full blocks and pins, in every window, the cached block of each stored position; returns the pinned block ids per window, which unpin_blocks_by_id takes back.
         """
-    def prefill(self, request_id: typing.SupportsIndex, num_tokens: typing.SupportsIndex) -> None:
+    def prefill(self, request_id: typing.Any, num_tokens: typing.Any) -> None:
         """
-        Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the sliding-window blocks no query of the chunk can attend; all or nothing.
+        Chunked prefill: gives blocks for the next num_tokens prompt tokens, first releasing the sliding-window blocks no query of the chunk can attend; all or nothing. With equal-length lists, a step's chunks in one call.
         """
     def prompt_length(self, request_id: typing.SupportsIndex) -> int:
         """
@@ -269,9 +269,9 @@ class KVCacheManager:
         """
         Drops the last num_tokens tokens, releasing blocks that become empty.
         """
-    def store_context_blocks(self, request_id: typing.SupportsIndex) -> int:
+    def store_context_blocks(self, request_id: typing.Any) -> int:
         """
-        Stores the sequence's full prompt blocks for reuse now; returns block positions newly stored.
+        Stores the sequence's full prompt blocks for reuse now (a list: each sequence's); returns block positions newly stored.
         """
     def unpin_blocks_by_id(
         self, block_ids: typing.Any, window_size: typing.SupportsIndex | None = None

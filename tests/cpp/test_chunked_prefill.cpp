@@ -208,6 +208,107 @@ TEST(ChunkedPrefillTest, ChunkThatFitsOnlyThroughItsOwnReleases) {
   m.CheckInvariants();
 }
 
+// A step's chunks in one call: every sequence releases before any hands out, so the blocks
+// come out as below (blocks 0 and 2 go to the back of the free queue before 4, 5, 6 are taken).
+TEST(ChunkedPrefillTest, BatchReleasesEverySequenceFirstThenHandsOut) {
+  KVCacheManager m(Model(2), Config({4, 0}, 64, {{4, 20}, {64, 20}}, 4, BackendKind::kVirtual));
+  const auto a = Iota(20);
+  const auto b = Iota(20, 100);
+  m.AddSequence(1, a.data(), a.size(), {}, 8);
+  m.AddSequence(2, b.data(), b.size(), {}, 8);
+  const SeqId ids[] = {1, 2};
+  const std::int32_t chunks[] = {8, 4};
+  m.Prefill(ids, chunks, 2);
+  EXPECT_EQ(m.NumTokens(1), 16);
+  EXPECT_EQ(m.NumTokens(2), 12);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, 1, 4, 5}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (Blocks{N, 3, 6}));
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 4, 5}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (Blocks{2, 3, 6}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 15);
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 13);
+  EXPECT_EQ(m.GetStats().alloc_total_blocks, 2 * (2 + 2 + 3));
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, BatchFailuresChangeNothing) {
+  KVCacheManager m(Model(1), Config({0}, 64, {{64, 6}}, 4, BackendKind::kVirtual));
+  const auto a = Iota(20);
+  const auto b = Iota(20, 100);
+  m.AddSequence(1, a.data(), a.size(), {}, 8);
+  m.AddSequence(2, b.data(), b.size(), {}, 4);
+  const Snapshot before = Take(m, {1, 2});
+  auto prefill = [&m](std::vector<SeqId> ids, std::vector<std::int32_t> chunks) {
+    m.Prefill(ids.data(), chunks.data(), ids.size());
+  };
+  EXPECT_THROW(prefill({1, 2}, {8, 8}), OutOfBlocksError);  // 2 + 2 new blocks, 3 free
+  EXPECT_THROW(prefill({1, 1}, {4, 4}), std::invalid_argument);  // the same id twice
+  EXPECT_THROW(prefill({1, 2}, {4, 17}), std::invalid_argument);  // 16 prompt tokens left
+  EXPECT_THROW(prefill({1, 2}, {4, 0}), std::invalid_argument);
+  EXPECT_THROW(prefill({1, 3}, {4, 4}), UnknownSequenceError);
+  EXPECT_EQ(Take(m, {1, 2}), before);
+  prefill({1, 2}, {8, 4});  // 2 + 1 new blocks: fits exactly
+  EXPECT_EQ(m.GetCacheBlockIds(1, 64), (Blocks{0, 1, 3, 4}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 64), (Blocks{2, 5}));
+  EXPECT_EQ(m.GetNumFreeBlocks(64), 0);
+  prefill({}, {});  // an empty step changes nothing
+  EXPECT_EQ(m.NumTokens(1), 16);
+  m.CheckInvariants();
+}
+
+// A sliding-window block that two sequences share frees memory only when both release it: in one
+// batch the check credits it, for one of them alone it does not.
+TEST(ChunkedPrefillTest, BatchCreditsASharedBlockOnlyWhenEveryHolderReleasesIt) {
+  ManagerConfig c = Config({4, 0}, 64, {{4, 4}, {64, 40}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(2), c);
+  const auto a = Iota(40);
+  auto b = Iota(40);
+  for (std::size_t i = 20; i < b.size(); ++i) b[i] += 1000;  // shares a's first 20 tokens
+  m.AddSequence(1, a.data(), a.size(), {}, 8);
+  for (int i = 0; i < 4; ++i) m.Prefill(1, 4);  // 24 tokens: positions 0..3 left the window
+  EXPECT_EQ(m.StoreContextBlocks(1), 6);
+  EXPECT_EQ(m.AddSequence(2, b.data(), b.size(), {}, 4), 20);  // position 4 shared, 5 its own
+  // Blocks 0..3 went round the window's queue as the chunks moved on; 2 is request 2's own.
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, N, N, N, 0, 1}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (Blocks{N, N, N, N, 0, 2}));
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 1);
+  const Snapshot before = Take(m, {1, 2});
+  // Two new blocks for request 1 alone: 1 free, and block 4 stays with request 2.
+  EXPECT_THROW(m.Prefill(1, 8), OutOfBlocksError);
+  EXPECT_EQ(Take(m, {1, 2}), before);
+  // Two new blocks for both: both release position 4, so block 4 is credited.
+  const SeqId ids[] = {1, 2};
+  const std::int32_t chunks[] = {4, 4};
+  m.Prefill(ids, chunks, 2);
+  EXPECT_EQ(m.GetCacheBlockIds(1, 4), (Blocks{N, N, N, N, N, 1, 3}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (Blocks{N, N, N, N, N, 2, 0}));  // block 0, released by both
+  EXPECT_EQ(m.GetNumFreeBlocks(4), 0);
+  m.CheckInvariants();
+}
+
+TEST(ChunkedPrefillTest, BatchStoreStoresEverySequenceOrNothing) {
+  ManagerConfig c = Config({0}, 64, {{64, 20}}, 4, BackendKind::kVirtual);
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(1), c);
+  const auto a = Iota(20);
+  const auto b = Iota(20, 100);
+  m.AddSequence(1, a.data(), a.size(), {}, 6);
+  m.AddSequence(2, b.data(), b.size(), {}, 13);
+  const SeqId unknown[] = {1, 7};
+  EXPECT_THROW(m.StoreContextBlocks(unknown, 2), UnknownSequenceError);
+  const SeqId twice[] = {2, 2};
+  EXPECT_THROW(m.StoreContextBlocks(twice, 2), std::invalid_argument);
+  EXPECT_EQ(m.GetReusablePrefixLength(a.data(), a.size(), {}), 0);  // nothing was stored
+  EXPECT_EQ(m.GetReusablePrefixLength(b.data(), b.size(), {}), 0);
+  const SeqId both[] = {1, 2};
+  EXPECT_EQ(m.StoreContextBlocks(both, 2), 1 + 3);
+  EXPECT_EQ(m.GetReusablePrefixLength(a.data(), a.size(), {}), 4);
+  EXPECT_EQ(m.GetReusablePrefixLength(b.data(), b.size(), {}), 12);
+  EXPECT_EQ(m.StoreContextBlocks(both, 2), 0);  // nothing new
+  m.CheckInvariants();
+}
+
 TEST(ChunkedPrefillTest, SlidingWindowHoldsAtMostWindowPlusChunkWhateverThePrompt) {
   constexpr std::int32_t kWindow = 8;
   constexpr std::int32_t kTpb = 4;

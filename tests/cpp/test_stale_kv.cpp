@@ -205,17 +205,28 @@ class FakeEngine {
   }
 
   /// The next chunk of a prompt: Prefill, then its KV, then what its queries attend.
-  void PrefillChunk(SeqId id, std::int32_t num_tokens) {
-    Guarded("Prefill", [&] { m_.Prefill(id, num_tokens); });
-    Request& r = live_.at(id);
-    const std::int32_t anchor = r.filled;
-    r.filled += num_tokens;
-    if (m_.NumTokens(id) != r.filled) Report(Anomaly{"wrong chunk end", context_, "Prefill", id});
-    Observe(id);
-    WritePending({id});
-    // The chunk's first query sits at position `anchor` and attends [anchor + 1 - W, anchor]:
+  void PrefillChunk(SeqId id, std::int32_t num_tokens) { PrefillChunks({id}, {num_tokens}); }
+
+  /// A step's chunks: one Prefill call for all (a single one through the one-sequence
+  /// overload), then their KV (all writes first, as in Step), then what each chunk's queries
+  /// attend.
+  void PrefillChunks(const std::vector<SeqId>& ids, const std::vector<std::int32_t>& num_tokens) {
+    Guarded("Prefill", [&] {
+      if (ids.size() == 1) return m_.Prefill(ids[0], num_tokens[0]);
+      m_.Prefill(ids.data(), num_tokens.data(), ids.size());
+    });
+    std::vector<std::int32_t> anchors;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      Request& r = live_.at(ids[i]);
+      anchors.push_back(r.filled);
+      r.filled += num_tokens[i];
+      if (m_.NumTokens(ids[i]) != r.filled) Report(Anomaly{"wrong chunk end", context_, "Prefill", ids[i]});
+      Observe(ids[i]);
+    }
+    WritePending(ids);
+    // A chunk's first query sits at position `anchor` and attends [anchor + 1 - W, anchor]:
     // the window of a sequence of anchor + 1 tokens.
-    CheckWindows(id, anchor + 1, "chunk");
+    for (std::size_t i = 0; i < ids.size(); ++i) CheckWindows(ids[i], anchors[i] + 1, "chunk");
   }
 
   /// One decode step of a batch: AddTokens, then the KV of each new token, then the checks.
@@ -241,6 +252,9 @@ class FakeEngine {
 
   std::int32_t StoreContext(SeqId id) {
     return Guarded("StoreContextBlocks", [&] { return m_.StoreContextBlocks(id); });
+  }
+  std::int64_t StoreContext(const std::vector<SeqId>& ids) {
+    return Guarded("StoreContextBlocks", [&] { return m_.StoreContextBlocks(ids.data(), ids.size()); });
   }
 
   std::map<WindowSize, std::vector<BlockId>> Pin(SeqId id) {
@@ -799,6 +813,7 @@ struct RunStats {
   std::int64_t unpin_all = 0;
   std::int64_t chunked = 0;  // requests added with a first chunk only
   std::int64_t chunks = 0;   // later Prefill chunks
+  std::int64_t chunk_batches = 0;  // Prefill calls with several sequences' chunks
   std::string fatal;  // an unexpected exception ended the run
 };
 
@@ -1019,12 +1034,26 @@ class ContentRun {
       if (r.InPrefill()) ids.push_back(id);
     }
     if (ids.empty()) return Decode();
-    const SeqId id = ids[Rand(ids.size())];
-    const Request& r = engine_.request(id);
-    const std::int32_t left = r.size() - r.filled;
-    const auto chunk = static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(std::min(left, 3 * config_.tpb))));
-    engine_.PrefillChunk(id, chunk);
-    ++stats_.chunks;
+    // One request or, most of the time when several are in prefill, several in one call.
+    std::vector<SeqId> step;
+    if (ids.size() > 1 && Chance(70)) {
+      for (const SeqId id : ids) {
+        if (Chance(75)) step.push_back(id);
+      }
+      if (step.size() < 2) step = {ids.front(), ids.back()};
+    } else {
+      step = {ids[Rand(ids.size())]};
+    }
+    std::vector<std::int32_t> chunks;
+    for (const SeqId id : step) {
+      const Request& r = engine_.request(id);
+      const std::int32_t left = r.size() - r.filled;
+      chunks.push_back(static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(std::min(left, 3 * config_.tpb)))));
+    }
+    engine_.PrefillChunks(step, chunks);
+    stats_.chunks += static_cast<std::int64_t>(step.size());
+    stats_.chunk_batches += step.size() > 1 ? 1 : 0;
+    if (step.size() > 1 && Chance(50)) engine_.StoreContext(step);  // the step's chunks at once
   }
 
   // One decode step for a random subset; requests that reach max_seq_len finish.
@@ -1176,7 +1205,7 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
        << " positions checked, " << s.hits << "/" << s.adds << " hits (" << s.partial_hits << " partial, "
        << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
        << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.chunked << " chunked prompts ("
-       << s.chunks << " more chunks), " << s.pins << " pins, " << s.invalidated
+       << s.chunks << " more chunks, " << s.chunk_batches << " calls with several), " << s.pins << " pins, " << s.invalidated
        << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.held_after_drain
        << " blocks held after drain";
   std::printf("%s\n", line.str().c_str());
@@ -1195,6 +1224,7 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
   EXPECT_GT(s.hits, 0) << "no prefix hit: the run tests nothing";
   EXPECT_GT(s.positions_checked, s.operations);
   EXPECT_GT(s.chunks, 0) << "no chunked prefill";
+  EXPECT_GT(s.chunk_batches, 0) << "no step prefilled several requests in one call";
   if (config.lend) {
     EXPECT_GT(s.lent_slabs, 0) << "no window lent memory: the run tests no lending";
   }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from test_manager import snapshot
 
 from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheManager, ModelConfig, OutOfBlocksError
 
@@ -73,4 +75,56 @@ def test_errors_change_nothing() -> None:
     assert m.get_cache_block_ids(1, 64) == [0, 1]
     m.prefill(1, 4)
     assert m.get_cache_block_ids(1, 64) == [0, 1, 2]
+    m.check_invariants()
+
+
+def test_a_steps_chunks_and_stores_in_one_call() -> None:
+    # Every sequence releases before any hands out: blocks 0 and 2 leave the sliding window and
+    # go to the back of its queue before 4, 5 and 6 are taken.
+    lists, arrays = make({4: 20, 64: 20}, [4, None]), make({4: 20, 64: 20}, [4, None])
+    for m in (lists, arrays):
+        m.add_sequence(1, list(range(20)), prefill=8)
+        m.add_sequence(2, list(range(100, 120)), prefill=8)
+    lists.prefill([1, 2], [8, 4])
+    arrays.prefill(np.array([1, 2]), np.array([8, 4], dtype=np.int32))
+    for m in (lists, arrays):
+        assert (m.num_tokens(1), m.num_tokens(2)) == (16, 12)
+        assert m.get_cache_block_ids(1, 4) == [N, 1, 4, 5]
+        assert m.get_cache_block_ids(2, 4) == [N, 3, 6]
+        assert m.get_cache_block_ids(1, 64) == [0, 1, 4, 5]
+        assert m.get_cache_block_ids(2, 64) == [2, 3, 6]
+    assert lists.store_context_blocks([1, 2]) == 4 + 3  # full blocks of 16 and 12 tokens
+    assert arrays.store_context_blocks((2, 1)) == 3 + 4
+    for m in (lists, arrays):
+        assert m.store_context_blocks([2, 1]) == 0  # nothing new
+        assert m.get_reusable_prefix_length(list(range(20))) == 16
+        assert m.get_reusable_prefix_length(list(range(100, 120))) == 12
+        m.prefill([], [])  # a step without later chunks changes nothing
+        assert m.store_context_blocks([]) == 0
+        m.check_invariants()
+
+
+def test_a_failing_batch_changes_nothing() -> None:
+    m = make({64: 6}, [None])
+    m.add_sequence(1, list(range(20)), prefill=8)
+    m.add_sequence(2, list(range(100, 120)), prefill=4)
+    before = snapshot(m, [1, 2])
+    with pytest.raises(OutOfBlocksError, match="needs 4 new blocks in window 64 for 2 requests"):
+        m.prefill([1, 2], [8, 8])
+    with pytest.raises(KeyError, match="unknown request id 3"):
+        m.prefill([1, 3], [4, 4])
+    with pytest.raises(ValueError, match="request id 2 appears twice in one prefill call"):
+        m.prefill([2, 1, 2], [4, 4, 4])
+    with pytest.raises(ValueError, match="has 16 prompt tokens left, cannot prefill 17"):
+        m.prefill([1, 2], [4, 17])
+    with pytest.raises(KeyError, match="unknown request id 3"):
+        m.store_context_blocks([1, 2, 3])
+    with pytest.raises(ValueError, match="appears twice in one store_context_blocks call"):
+        m.store_context_blocks([1, 1])
+    assert snapshot(m, [1, 2]) == before
+    assert m.get_reusable_prefix_length(list(range(20))) == 0  # nothing was stored
+    m.prefill([1, 2], [8, 4])  # 2 + 1 new blocks: exactly what is free
+    assert m.get_cache_block_ids(1, 64) == [0, 1, 3, 4]
+    assert m.get_cache_block_ids(2, 64) == [2, 5]
+    assert m.get_num_free_blocks(64) == 0
     m.check_invariants()

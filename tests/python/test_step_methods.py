@@ -145,6 +145,57 @@ BAD: list[tuple[str, Callable[[KVCacheManager], object], type[Exception], str]] 
         r"^_blocks_to_allocate_plain\(\) missing required argument 'tokens'$",
     ),
     ("bad token", lambda m: m.add_tokens([1], [-1]), ValueError, r"tokens\[0\] is negative"),
+    (
+        "batch with one chunk size",
+        lambda m: m.prefill([1], 4),
+        ValueError,
+        "^prefill: with a list of request ids, num_tokens must be a list as long$",
+    ),
+    (
+        "batch lengths differ",
+        lambda m: m.prefill([1], [4, 4]),
+        ValueError,
+        "^prefill: 1 request ids but 2 num_tokens$",
+    ),
+    (
+        "batch zero chunk",
+        lambda m: m.prefill([1], [0]),
+        ValueError,
+        r"^num_tokens\[0\] = 0 is out of range \[1, 2147483647\]$",
+    ),
+    (
+        "batch bool chunk",
+        lambda m: m.prefill([1], [True]),
+        ValueError,
+        "^num_tokens must hold ints, got bool$",
+    ),
+    (
+        "batch str id",
+        lambda m: m.prefill(["1"], [4]),
+        ValueError,
+        "^request_id must hold ints, got str$",
+    ),
+    ("str id", lambda m: m.prefill("1", 4), ValueError, "^request_id must be an int, got str$"),
+    ("batch unknown id", lambda m: m.prefill([1, 2], [4, 4]), KeyError, "unknown request id 2"),
+    (
+        "batch id twice",
+        lambda m: m.prefill([1, 1], [4, 4]),
+        ValueError,
+        "^request id 1 appears twice in one prefill call$",
+    ),
+    (
+        "batch chunk too long",
+        lambda m: m.prefill(np.array([1]), np.array([13])),
+        ValueError,
+        "has 12 prompt tokens left",
+    ),
+    ("store unknown", lambda m: m.store_context_blocks([1, 2]), KeyError, "unknown request id 2"),
+    (
+        "store id twice",
+        lambda m: m.store_context_blocks((1, 1)),
+        ValueError,
+        "^request id 1 appears twice in one store_context_blocks call$",
+    ),
 ]
 
 

@@ -225,6 +225,10 @@ class KVCacheManager {
   /// releasing every sliding-window block that no query of the chunk can attend (the decode
   /// rule at the chunk's first position). All or nothing.
   void Prefill(SeqId id, std::int32_t num_tokens);
+  /// The same for a step's chunks in one call: num_tokens[i] more prompt tokens for ids[i].
+  /// Every sequence releases before any hands out, so a block that several of them release is
+  /// credited once all its holders let it go. All or nothing.
+  void Prefill(const SeqId* ids, const std::int32_t* num_tokens, std::size_t n);
   /// Prompt tokens of `id` (NumTokens counts the tokens that have blocks).
   std::int32_t PromptLength(SeqId id) const;
   /// Appends one generated token to `id`.
@@ -239,6 +243,9 @@ class KVCacheManager {
   /// Stores the sequence's full prompt blocks now (at most its first num_tokens - 1 tokens);
   /// returns the block positions newly stored.
   std::int32_t StoreContextBlocks(SeqId id);
+  /// The same for several sequences (each id once); returns the positions stored in all.
+  /// Every id is checked before anything is stored.
+  std::int64_t StoreContextBlocks(const SeqId* ids, std::size_t n);
   /// Stores the sequence's full blocks and pins, in every window, the cached block of each stored
   /// position. Returns the pinned blocks per window: exactly what UnpinBlocks takes.
   std::map<WindowSize, std::vector<BlockId>> PinBlocks(SeqId id);
@@ -346,6 +353,10 @@ class KVCacheManager {
     }
   }
   void ReleaseFrontFrom(Sequence& seq, std::size_t w, std::int32_t num_tokens);
+  /// Blocks of window `w` that the sequences of batch_ free when each releases what a sequence
+  /// one token longer than now no longer attends (a decode step's and a chunk's release rule).
+  /// A block several of them hold is freed only if all its holders are in the batch.
+  std::int64_t FreedByBatchReleases(std::size_t w);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
@@ -519,7 +530,8 @@ class KVCacheManager {
   std::vector<std::int64_t> release_base_;
   /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
   std::vector<std::int32_t> window_blocks_;
-  // Scratch space of AddTokens, kept to avoid allocations on the decode path.
+  // Scratch space of the batch calls (AddTokens, Prefill, StoreContextBlocks), kept to avoid
+  // allocations on the per-step path.
   std::vector<Sequence*> batch_;
   std::vector<char> batch_new_block_;  // per batch_ entry: its new token starts a block
   std::vector<BlockId> shared_release_;
