@@ -13,9 +13,9 @@ An engine step looks like this::
 Chunked prefill: a context request's prompt (:meth:`Request.context_tokens`) may be processed
 in several steps. Its first chunk registers the whole prompt with ``add_sequence(...,
 prefill=chunk)`` (keys and reuse lookup for all of it, blocks for the reused prefix plus
-``chunk`` tokens); each later chunk calls ``prefill(request_id, chunk)``. A chunk counts the
-tokens computed in the step, after the reused prefix. ``add_context(request)`` without a chunk
-size runs the whole rest of the prompt in one step (whole-prompt prefill).
+``chunk`` tokens); the step's later chunks take one ``prefill(request_ids, chunks)`` call. A
+chunk counts the tokens computed in the step, after the reused prefix. ``add_context(request)``
+without a chunk size runs the whole rest of the prompt in one step (whole-prompt prefill).
 
 Token accounting: after a request's context the cache holds its prompt (plus, for a resumed
 request, the tokens it had generated before it was paused) and the last chunk's step produces
@@ -611,10 +611,10 @@ class KVCacheResourceManager:
         ``add_sequence(..., prefill=chunk)`` (the whole prompt when the chunk covers it) and
         sets :attr:`Request.context_position` to the reused prefix; a chunk that would run
         past the prompt after a reuse hit is shortened in the batch, so that
-        ``batch.chunk_size(request)`` is what the step computes. A later chunk calls
-        ``prefill(request_id, chunk)``. Generation requests append their newest generated
-        token in one ``add_tokens`` call for the whole batch, then their draft tokens (one
-        ``add_tokens`` call per draft position).
+        ``batch.chunk_size(request)`` is what the step computes. The later chunks of the
+        batch take one ``prefill(request_ids, chunks)`` call. Generation requests append
+        their newest generated token in one ``add_tokens`` call for the whole batch, then
+        their draft tokens (one ``add_tokens`` call per draft position).
 
         Order: registrations, generation tokens, then later chunks. A prefill cannot be
         undone, so when the batch has later chunks, the generation tokens and chunks are
@@ -657,13 +657,14 @@ class KVCacheResourceManager:
             self._roll_back(added, grown)
             batch.context[:] = original
             raise
-        for request, chunk in prefills:  # checked above: cannot run out of blocks
-            self._prefill(request, chunk)
+        if prefills:  # checked above: cannot run out of blocks
+            self._prefill(prefills)
 
     def update_resources(self, batch: ScheduledBatch) -> None:
         """After the step: advances the context requests (``context_position``), drops
         rejected draft tokens (``request.rewind_len``) and, with block reuse on, stores the
-        full blocks of every prompt chunk that ran for early reuse by other requests.
+        full blocks of every prompt chunk that ran for early reuse by other requests (one
+        ``store_context_blocks`` call for the batch).
 
         Raises:
             ValueError: A context request whose chunk ended its prompt got no generated
@@ -686,15 +687,16 @@ class KVCacheResourceManager:
                 self._seqs[request.request_id].kv_len -= rewind
                 request.rewind_len = 0
             request.draft_tokens = []
-        store = getattr(self._manager, "store_context_blocks", None)
+        ran: list[int] = []
         for request, _ in batch.context:
             seq = self._seqs.get(request.request_id)
             if seq is None:
                 continue
             if request.state is RequestState.CONTEXT:
                 request.context_position = seq.kv_len
-            if self._reuse and store is not None:
-                store(request.request_id)
+            ran.append(request.request_id)
+        if self._reuse and ran:
+            self._manager.store_context_blocks(ran)  # every chunk that ran, in one call
         if self._event_publisher is not None:
             self._event_publisher.publish()
 
@@ -1233,18 +1235,20 @@ class KVCacheResourceManager:
         request.context_position = reused
         request.state = RequestState.CONTEXT
 
-    def _prefill(self, request: Request, chunk: int) -> None:
-        seq = self._seqs[request.request_id]
-        n = seq.kv_len
-        self._manager.prefill(request.request_id, chunk)
-        self._advance_front(seq, n + 1)  # released before the chunk's blocks came
-        seq.kv_len = seq.hwm = n + chunk
-        start = [0 if ids is None else len(ids) for ids in seq.ids]
-        for i, ids in enumerate(seq.ids):
-            if ids is not None:
-                blocks = self._manager.get_cache_block_ids(request.request_id, self._windows[i])
-                ids.extend(int(b) for b in blocks[len(ids) :])
-        self._add_holdings(seq, start)
+    def _prefill(self, prefills: list[tuple[Request, int]]) -> None:
+        """The step's later chunks, in one native call."""
+        self._manager.prefill([r.request_id for r, _ in prefills], [chunk for _, chunk in prefills])
+        for request, chunk in prefills:
+            seq = self._seqs[request.request_id]
+            n = seq.kv_len
+            self._advance_front(seq, n + 1)  # released before the chunk's blocks came
+            seq.kv_len = seq.hwm = n + chunk
+            start = [0 if ids is None else len(ids) for ids in seq.ids]
+            for i, ids in enumerate(seq.ids):
+                if ids is not None:
+                    blocks = self._manager.get_cache_block_ids(request.request_id, self._windows[i])
+                    ids.extend(int(b) for b in blocks[len(ids) :])
+            self._add_holdings(seq, start)
 
     def _check_prefill(self, request: Request) -> None:
         seq = self._seqs[request.request_id]
