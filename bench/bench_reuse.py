@@ -23,11 +23,13 @@ Prints tables of medians and totals; never asserts; seeded. Run:
     * ``chunk N`` (chunked prefill, engine-style): each step has a budget of
       ``max_num_batched_tokens`` (8,192) tokens. Decodes of running requests whose prompt is
       complete come first (one token each, one ``add_tokens`` call); then prefill chunks,
-      first come first served: continuing prefills (``prefill``), then new admissions
-      (``add_sequence(..., prefill=k)`` after ``get_num_blocks_to_allocate(..., prefill=k)``
-      said it fits), each chunk taking ``min(N, prompt tokens left, budget left)``.
-      ``store_context_blocks`` follows every chunk that ran; a request whose prompt is
-      complete produces its first token and decodes from the next step on.
+      first come first served: continuing prefills (one ``prefill(request_ids, chunks)``
+      call for the step), then new admissions (``add_sequence(..., prefill=k)`` after
+      ``get_num_blocks_to_allocate(..., prefill=k)`` said it fits), each chunk taking
+      ``min(N, prompt tokens left, budget left)``. One ``store_context_blocks(request_ids)``
+      call stores every chunk that ran; a request whose prompt is complete produces its
+      first token and decodes from the next step on. ``--per-request-chunks`` calls
+      ``prefill`` and ``store_context_blocks`` once per request instead, as before.
 
     Both: when ``add_tokens`` or ``prefill`` runs out of blocks, the newest running request
     is removed (its blocks stored for reuse) and queued again at the front with its
@@ -59,8 +61,11 @@ Prints tables of medians and totals; never asserts; seeded. Run:
 given 1,000 to 10,000 of the 20,000 blocks (the full window the rest), then with one window
 ample (40,000 blocks) and the other limited, and prints the peak of referenced blocks per
 window as well: the measurement behind the demand sizing of the ``"auto"`` policy (see
-bench/README.md). ``--chunks`` picks the prefill modes (``whole`` and chunk caps),
-``--max-num-batched-tokens`` the step budget.
+bench/README.md). ``--paired R`` instead runs whole prompts and chunked prefill (chunks of
+512 and 2,048, one ``prefill`` / ``store_context_blocks`` call per step and per request) on
+the default split R times in alternating order and prints the median manager seconds and
+the median ratio to whole prompts within a round. ``--chunks`` picks the prefill modes
+(``whole`` and chunk caps), ``--max-num-batched-tokens`` the step budget.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ from kvcache.sizing import blocks_per_window, bytes_per_token
 
 TPB = 32
 PREPARED = True  # admissions pass prepared prompts (--raw-prompts: token arrays)
+BATCHED_CHUNKS = True  # one prefill / store call per step (--per-request-chunks: per request)
 SWA = 512
 VOCAB = 32000
 TOTAL_BLOCKS = 20_000
@@ -411,17 +417,23 @@ class ChunkedReplay:
         budget = self.batched_tokens - len(decodes)
         self._decode(decodes)
         chunks: list[_Active] = []
-        for a in [a for a in self.running if a.left > 0]:
-            k = min(self.chunk, a.left, budget)
-            if k == 0:
-                break
-            if a.alive and self._prefill(a, k):
-                budget -= k
-                chunks.append(a)
+        if BATCHED_CHUNKS:
+            budget = self._prefill_batch(budget, chunks)
+        else:
+            for a in [a for a in self.running if a.left > 0]:
+                k = min(self.chunk, a.left, budget)
+                if k == 0:
+                    break
+                if a.alive and self._prefill(a, k):
+                    budget -= k
+                    chunks.append(a)
         self._admit(budget, chunks)
-        for a in chunks:
-            if a.alive:
-                self.call(self.m.store_context_blocks, a.req.rid)
+        ran = [a.req.rid for a in chunks if a.alive]
+        if BATCHED_CHUNKS and ran:
+            self.call(self.m.store_context_blocks, ran)
+        elif not BATCHED_CHUNKS:
+            for rid in ran:
+                self.call(self.m.store_context_blocks, rid)
         self._complete(decodes, chunks)
         self.call.end_step()
 
@@ -457,6 +469,29 @@ class ChunkedReplay:
             a.left -= k
             return True
         return False
+
+    def _prefill_batch(self, budget: int, chunks: list[_Active]) -> int:
+        """The continuing prefills' chunks in one ``prefill`` call; returns the budget left."""
+        plan: list[tuple[_Active, int]] = []
+        for a in [a for a in self.running if a.left > 0]:
+            k = min(self.chunk, a.left, budget)
+            if k == 0:
+                break
+            plan.append((a, k))
+            budget -= k
+        while plan:
+            try:
+                self.call(self.m.prefill, [a.req.rid for a, _ in plan], [k for _, k in plan])
+            except OutOfBlocksError:
+                victim = self._preempt_newest()
+                budget += sum(k for a, k in plan if a is victim)
+                plan = [(a, k) for a, k in plan if a.alive]
+                continue
+            break
+        for a, k in plan:
+            a.left -= k
+            chunks.append(a)
+        return budget
 
     def _admit(self, budget: int, chunks: list[_Active]) -> None:
         while self.queue and len(self.running) < MAX_BATCH and budget > 0:
@@ -564,6 +599,38 @@ def _print_sweep(
             )
 
 
+def _print_paired(reqs: list[Req], max_seq_len: int, batched_tokens: int, rounds: int) -> None:
+    """Manager seconds of whole prompts against chunked prefill, on the default (``auto``)
+    split under ``"placeholder"``, the modes run in turn (reversed every other round, so a
+    drift of the machine's speed hits all alike); medians, and the median over rounds of
+    each mode's ratio to whole prompts in the same round."""
+    global BATCHED_CHUNKS
+    modes: list[tuple[str, int | None, bool]] = [
+        ("whole", None, True),
+        ("chunk 512", 512, True),
+        ("chunk 512, per request", 512, False),
+        ("chunk 2048", 2048, True),
+        ("chunk 2048, per request", 2048, False),
+    ]
+    blocks = split_blocks(reqs, max_seq_len, "auto", batched_tokens)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in modes}
+    for r in range(rounds):
+        for label, chunk, batched in modes if r % 2 == 0 else modes[::-1]:
+            BATCHED_CHUNKS = batched
+            res = run_replay(reqs, blocks, max_seq_len, "placeholder", chunk, batched_tokens)
+            times[label].append(res.manager_s)
+    BATCHED_CHUNKS = True
+    print(f"\n(c) manager seconds, {rounds} rounds in alternating order (auto split, placeholder)")
+    print(f"  {'prefill':<26}{'median s':>9}{'vs whole':>10}{'range of ratios':>18}")
+    for label, _, _ in modes:
+        ratios = [t / w for t, w in zip(times[label], times["whole"], strict=True)]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        print(
+            f"  {label:<26}{statistics.median(times[label]):>9.3f}"
+            f"{statistics.median(ratios):>10.2f}{spread:>18}"
+        )
+
+
 def _chunk_list(text: str) -> list[int | None]:
     out: list[int | None] = []
     for part in text.split(","):
@@ -591,9 +658,22 @@ def main() -> None:
         action="store_true",
         help="pass token arrays to every admission call instead of prepared prompts",
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="R",
+        default=0,
+        help="instead of the table: R alternating rounds of whole vs chunked manager time",
+    )
+    parser.add_argument(
+        "--per-request-chunks",
+        action="store_true",
+        help="one prefill and one store_context_blocks call per chunk instead of per step",
+    )
     args = parser.parse_args()
-    global PREPARED
+    global PREPARED, BATCHED_CHUNKS
     PREPARED = not args.raw_prompts
+    BATCHED_CHUNKS = not args.per_request_chunks
     num_requests = 400 if args.quick else 2000
     repeats = 50 if args.quick else 300
     budget = args.max_num_batched_tokens
@@ -609,6 +689,10 @@ def main() -> None:
     if args.sweep:
         print(title)
         _print_sweep(reqs, max_seq_len, args.chunks, budget)
+        return
+    if args.paired:
+        print(title)
+        _print_paired(reqs, max_seq_len, budget, args.paired)
         return
 
     print("(a) get_reusable_prefix_length, windows {512, full}, 32-token blocks")
