@@ -165,7 +165,9 @@ void ToChunkSizes(const pybind11::handle& obj, const char* what, std::vector<std
   const std::vector<std::int64_t> raw = ToInt64Vector(obj, what);
   out->clear();
   for (std::size_t i = 0; i < raw.size(); ++i) {
-    if (raw[i] < 1 || raw[i] > INT32_MAX) ThrowInvalid(what, "[", i, "] = ", raw[i], " is out of range [1, ", INT32_MAX, "]");
+    if (raw[i] < 1 || raw[i] > INT32_MAX) {
+      ThrowInvalid(what, "[", i, "] = ", raw[i], " is out of range [1, ", INT32_MAX, "]");
+    }
     out->push_back(static_cast<std::int32_t>(raw[i]));
   }
 }

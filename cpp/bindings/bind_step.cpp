@@ -64,7 +64,9 @@ PyObject* Prefill(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* k
   ToRequestIds(a[0], "request_id", &ids);
   if (!IsBatchArg(a[1])) ThrowInvalid("prefill: with a list of request ids, num_tokens must be a list as long");
   ToChunkSizes(a[1], "num_tokens", &counts);
-  if (ids.size() != counts.size()) ThrowInvalid("prefill: ", ids.size(), " request ids but ", counts.size(), " num_tokens");
+  if (ids.size() != counts.size()) {
+    ThrowInvalid("prefill: ", ids.size(), " request ids but ", counts.size(), " num_tokens");
+  }
   WithoutGilIf(self.MayCopyBlocks(), [&] { self.Prefill(ids.data(), counts.data(), ids.size()); });
   return NewNone();
 }

@@ -931,7 +931,9 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
   if (need > 0 && std::any_of(windows_.begin(), windows_.end(),
                               [need](const auto& wm) { return wm->NumFreePrimary() < need; })) {
     std::vector<std::int64_t>& available = check_available_;
-    for (std::size_t w = 0; w < windows_.size(); ++w) available[w] = windows_[w]->NumFreePrimary() + FreedByBatchReleases(w);
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      available[w] = windows_[w]->NumFreePrimary() + FreedByBatchReleases(w);
+    }
     std::fill(check_need_.begin(), check_need_.end(), need);
     const std::int64_t short_w = PlanBlocks(check_need_, available);
     if (short_w >= 0) {

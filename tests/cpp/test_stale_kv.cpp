@@ -1048,7 +1048,8 @@ class ContentRun {
     for (const SeqId id : step) {
       const Request& r = engine_.request(id);
       const std::int32_t left = r.size() - r.filled;
-      chunks.push_back(static_cast<std::int32_t>(1 + Rand(static_cast<std::uint64_t>(std::min(left, 3 * config_.tpb)))));
+      const auto most = static_cast<std::uint64_t>(std::min(left, 3 * config_.tpb));
+      chunks.push_back(static_cast<std::int32_t>(1 + Rand(most)));
     }
     engine_.PrefillChunks(step, chunks);
     stats_.chunks += static_cast<std::int64_t>(step.size());
@@ -1205,8 +1206,8 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
        << " positions checked, " << s.hits << "/" << s.adds << " hits (" << s.partial_hits << " partial, "
        << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
        << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.chunked << " chunked prompts ("
-       << s.chunks << " more chunks, " << s.chunk_batches << " calls with several), " << s.pins << " pins, " << s.invalidated
-       << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.held_after_drain
+       << s.chunks << " more chunks, " << s.chunk_batches << " calls with several), " << s.pins << " pins, "
+       << s.invalidated << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.held_after_drain
        << " blocks held after drain";
   std::printf("%s\n", line.str().c_str());
   RecordProperty("operations", static_cast<int>(s.operations));
