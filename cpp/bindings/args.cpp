@@ -80,7 +80,7 @@ bool ReadOneDigitInt(PyObject* item, long long* v) {
 /// caller converts again the general way, which raises the error naming the bad item. Reads
 /// only: converting an exact int runs no Python code, so the list cannot change meanwhile.
 template <typename T>
-bool IntsFromListOrTuple(PyObject* obj, long long lo, long long hi, std::vector<T>* out) {
+[[gnu::always_inline]] inline bool IntsFromListOrTuple(PyObject* obj, long long lo, long long hi, std::vector<T>* out) {
   if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj)) return false;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
   PyObject** items = PySequence_Fast_ITEMS(obj);

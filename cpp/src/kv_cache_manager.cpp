@@ -909,7 +909,7 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
   std::lock_guard<std::mutex> lock(mu_);
   // 1. Validate every argument before touching anything.
   ++stamp_;
-  batch_.clear();
+  batch_.resize(n);
   std::int64_t need = 0;  // new blocks of the whole batch (the same in every window)
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = Find(ids[i]);
@@ -922,7 +922,7 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
                    num_tokens[i]);
     }
     need += CeilDiv(seq.num_tokens + num_tokens[i], tpb_) - static_cast<std::int32_t>(seq.windows[0].blocks.size());
-    batch_.push_back(&seq);
+    batch_[i] = &seq;
   }
   // 2. Check. A chunk's first query, at position num_tokens, attends nothing before what a
   //    sequence of num_tokens + 1 tokens keeps: the decode step's release rule, so what the
@@ -1012,8 +1012,9 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   std::lock_guard<std::mutex> lock(mu_);
   // 1. Validate every argument before touching anything.
   ++stamp_;
-  batch_.clear();
-  batch_new_block_.clear();
+  // Sized once and written by index: no push_back per sequence on the decode path.
+  batch_.resize(n);
+  batch_new_block_.resize(n);
   std::int32_t need = 0;  // sequences that start a new block (the same in every window)
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = Find(ids[i]);
@@ -1029,8 +1030,8 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     }
     const bool starts_block = seq.num_tokens % tpb_ == 0;
     need += starts_block ? 1 : 0;
-    batch_.push_back(&seq);
-    batch_new_block_.push_back(starts_block ? 1 : 0);
+    batch_[i] = &seq;
+    batch_new_block_[i] = starts_block ? 1 : 0;
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).

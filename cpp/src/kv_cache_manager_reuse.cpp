@@ -327,29 +327,32 @@ void KVCacheManager::Unpin(std::size_t w, BlockId b) {
 }
 
 std::int32_t KVCacheManager::StoreContextBlocks(SeqId id) {
-  return static_cast<std::int32_t>(StoreContextBlocks(&id, 1));  // one sequence's positions
+  std::lock_guard<std::mutex> lock(mu_);
+  return StoreContext(Find(id));
 }
 
 std::int64_t KVCacheManager::StoreContextBlocks(const SeqId* ids, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   ++stamp_;
-  batch_.clear();
+  batch_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = Find(ids[i]);
     if (seq.batch_stamp == stamp_) {
       ThrowInvalid("request id ", ids[i], " appears twice in one store_context_blocks call");
     }
     seq.batch_stamp = stamp_;
-    batch_.push_back(&seq);
+    batch_[i] = &seq;
   }
-  if (!reuse_) return 0;
   std::int64_t newly = 0;
-  for (const Sequence* seq : batch_) {
-    if (!seq->valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) continue;
-    // The prompt's last token is never a key; during chunked prefill, the chunks that ran so far.
-    newly += StoreChain(*seq, std::min(seq->prompt_len - 1, seq->num_tokens), /*full_only=*/true, nullptr);
-  }
+  for (const Sequence* seq : batch_) newly += StoreContext(*seq);
   return newly;
+}
+
+std::int32_t KVCacheManager::StoreContext(const Sequence& seq) {
+  if (!reuse_) return 0;
+  if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return 0;
+  // The prompt's last token is never a key; during chunked prefill, the chunks that ran so far.
+  return StoreChain(seq, std::min(seq.prompt_len - 1, seq.num_tokens), /*full_only=*/true, nullptr);
 }
 
 std::map<WindowSize, std::vector<BlockId>> KVCacheManager::PinnedByWindow(

@@ -357,6 +357,8 @@ class KVCacheManager {
   /// one token longer than now no longer attends (a decode step's and a chunk's release rule).
   /// A block several of them hold is freed only if all its holders are in the batch.
   std::int64_t FreedByBatchReleases(std::size_t w);
+  /// StoreContextBlocks of one sequence (the caller holds mu_).
+  std::int32_t StoreContext(const Sequence& seq);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
