@@ -614,12 +614,13 @@ def _print_paired(reqs: list[Req], max_seq_len: int, batched_tokens: int, rounds
     ]
     blocks = split_blocks(reqs, max_seq_len, "auto", batched_tokens)
     times: dict[str, list[float]] = {label: [] for label, _, _ in modes}
+    before = BATCHED_CHUNKS
     for r in range(rounds):
         for label, chunk, batched in modes if r % 2 == 0 else modes[::-1]:
             BATCHED_CHUNKS = batched
             res = run_replay(reqs, blocks, max_seq_len, "placeholder", chunk, batched_tokens)
             times[label].append(res.manager_s)
-    BATCHED_CHUNKS = True
+    BATCHED_CHUNKS = before
     print(f"\n(c) manager seconds, {rounds} rounds in alternating order (auto split, placeholder)")
     print(f"  {'prefill':<26}{'median s':>9}{'vs whole':>10}{'range of ratios':>18}")
     for label, _, _ in modes:
