@@ -21,6 +21,12 @@ set-up cancelled out. Operations:
   prefill=k)``) goes on from it into ``partial_call``, and toggling on that too would switch
   collection off inside those calls.
   ``replay_whole_calls``: the same with whole-prompt prefill.
+
+Compare builds made the same way from scratch: LTO's inlining can move counts by a few
+percent. The Release extension pip installs is stripped; for function names in
+``callgrind_annotate``, configure a separate build with ``-DCMAKE_BUILD_TYPE=Release
+-DCMAKE_CXX_FLAGS=-g -DCMAKE_STRIP=/bin/true -DKVCACHE_BUILD_PYTHON=ON``, build the ``_core``
+target and put a copy of ``python/kvcache`` with that ``_core`` in it first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
