@@ -908,13 +908,10 @@ void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) { Prefill(&id, &
 void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   // 1. Validate every argument before touching anything.
-  ++stamp_;
-  batch_.resize(n);
+  BeginBatch(n);
   std::int64_t need = 0;  // new blocks of the whole batch (the same in every window)
   for (std::size_t i = 0; i < n; ++i) {
-    Sequence& seq = Find(ids[i]);
-    if (seq.batch_stamp == stamp_) ThrowInvalid("request id ", ids[i], " appears twice in one prefill call");
-    seq.batch_stamp = stamp_;
+    Sequence& seq = BatchMember(i, ids[i], "prefill");
     if (num_tokens[i] < 1) ThrowInvalid("prefill: num_tokens must be >= 1, got ", num_tokens[i]);
     const std::int32_t remaining = seq.prompt_len - seq.num_tokens;
     if (num_tokens[i] > remaining) {
@@ -922,31 +919,21 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
                    num_tokens[i]);
     }
     need += CeilDiv(seq.num_tokens + num_tokens[i], tpb_) - static_cast<std::int32_t>(seq.windows[0].blocks.size());
-    batch_[i] = &seq;
   }
   // 2. Check. A chunk's first query, at position num_tokens, attends nothing before what a
   //    sequence of num_tokens + 1 tokens keeps: the decode step's release rule, so what the
-  //    releases free counts as in AddTokens. It (and slab borrowing) matters only when some
-  //    window lacks free blocks for the chunks; usually every window has them.
-  if (need > 0 && std::any_of(windows_.begin(), windows_.end(),
-                              [need](const auto& wm) { return wm->NumFreePrimary() < need; })) {
-    std::vector<std::int64_t>& available = check_available_;
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      available[w] = windows_[w]->NumFreePrimary() + FreedByBatchReleases(w);
+  //    releases free counts as in AddTokens.
+  const std::int64_t short_w = need > 0 ? ShortWindowForBatch(need) : -1;
+  if (short_w >= 0) {
+    const auto w = static_cast<std::size_t>(short_w);
+    const std::int64_t available = check_available_[w];
+    if (n == 1) {
+      throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
+                                            window_sizes_[w], " for ", num_tokens[0], " tokens but only ", available,
+                                            " can be freed or are free", LendNote(w)));
     }
-    std::fill(check_need_.begin(), check_need_.end(), need);
-    const std::int64_t short_w = PlanBlocks(check_need_, available);
-    if (short_w >= 0) {
-      const auto w = static_cast<std::size_t>(short_w);
-      if (n == 1) {
-        throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
-                                              window_sizes_[w], " for ", num_tokens[0], " tokens but only ",
-                                              available[w], " can be freed or are free", LendNote(w)));
-      }
-      throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ",
-                                            n, " requests but only ", available[w], " can be freed or are free",
-                                            LendNote(w)));
-    }
+    throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ", n,
+                                          " requests but only ", available, " can be freed or are free", LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: every sequence releases first (the check credited those blocks), then hands out.
@@ -977,6 +964,38 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
 std::int32_t KVCacheManager::PromptLength(SeqId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return Find(id).prompt_len;
+}
+
+void KVCacheManager::BeginBatch(std::size_t n) {
+  ++stamp_;
+  batch_.resize(n);  // sized once and written by index (BatchMember)
+}
+
+void KVCacheManager::ThrowRepeated(SeqId id, const char* call) {
+  ThrowInvalid("request id ", id, " appears twice in one ", call, " call");
+}
+
+std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
+  // Releases are counted only where they matter: in a window short of free blocks, and under
+  // lending in every window (the others lend what they keep beyond their need).
+  bool short_of_blocks = false;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    std::int64_t& available = check_available_[w];
+    available = windows_[w]->NumFreePrimary();
+    batch_counted_[w] = 0;
+    if (available >= need) continue;
+    available += FreedByBatchReleases(w);
+    batch_counted_[w] = 1;
+    short_of_blocks = short_of_blocks || available < need;
+  }
+  if (!short_of_blocks) return -1;
+  if (lending_) {
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
+    }
+  }
+  std::fill(check_need_.begin(), check_need_.end(), need);
+  return PlanBlocks(check_need_, check_available_);
 }
 
 std::int64_t KVCacheManager::FreedByBatchReleases(std::size_t w) {
@@ -1011,54 +1030,30 @@ void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 
 void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   // 1. Validate every argument before touching anything.
-  ++stamp_;
-  // Sized once and written by index: no push_back per sequence on the decode path.
-  batch_.resize(n);
-  batch_new_block_.resize(n);
+  BeginBatch(n);
+  batch_new_block_.resize(n);  // written by index, as batch_: no push_back per sequence
   std::int32_t need = 0;  // sequences that start a new block (the same in every window)
   for (std::size_t i = 0; i < n; ++i) {
-    Sequence& seq = Find(ids[i]);
-    if (seq.batch_stamp == stamp_) ThrowInvalid("request id ", ids[i], " appears twice in one add_tokens call");
+    Sequence& seq = BatchMember(i, ids[i], "add_tokens");
     if (seq.InPrefill()) {
       ThrowInvalid("request ", ids[i], " is still in prefill (", seq.num_tokens, " of ", seq.prompt_len,
                    " prompt tokens have blocks): call prefill first");
     }
-    seq.batch_stamp = stamp_;
     if (tokens[i] < 0) ThrowInvalid("request ", ids[i], ": token is negative (", tokens[i], ")");
     if (seq.num_tokens >= max_seq_len_) {
       ThrowInvalid("request ", ids[i], ": adding a token would exceed max_seq_len ", max_seq_len_);
     }
     const bool starts_block = seq.num_tokens % tpb_ == 0;
     need += starts_block ? 1 : 0;
-    batch_[i] = &seq;
     batch_new_block_[i] = starts_block ? 1 : 0;
   }
   // 2. Check that every window can serve the new blocks, counting the blocks that the
   //    sliding windows release in this same step (released before anything is allocated).
-  bool short_of_blocks = false;
-  for (std::size_t w = 0; need > 0 && w < windows_.size(); ++w) {
-    std::int64_t& available = check_available_[w];
-    available = windows_[w]->NumFreePrimary();
-    batch_counted_[w] = 0;
-    if (available >= need) continue;
-    available += FreedByBatchReleases(w);
-    batch_counted_[w] = 1;
-    short_of_blocks = short_of_blocks || available < need;
-  }
-  if (short_of_blocks && lending_) {  // the others lend what they keep beyond their need
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
-    }
-  }
-  if (short_of_blocks) {
-    std::fill(check_need_.begin(), check_need_.end(), need);
-    const std::int64_t short_w = PlanBlocks(check_need_, check_available_);
-    if (short_w >= 0) {
-      const auto w = static_cast<std::size_t>(short_w);
-      throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                            " but only ", check_available_[w], " can be freed or are free",
-                                            LendNote(w)));
-    }
+  const std::int64_t short_w = need > 0 ? ShortWindowForBatch(need) : -1;
+  if (short_w >= 0) {
+    const auto w = static_cast<std::size_t>(short_w);
+    throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
+                                          " but only ", check_available_[w], " can be freed or are free", LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: append, release what left each sliding window, then allocate.

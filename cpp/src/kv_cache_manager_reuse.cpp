@@ -333,16 +333,8 @@ std::int32_t KVCacheManager::StoreContextBlocks(SeqId id) {
 
 std::int64_t KVCacheManager::StoreContextBlocks(const SeqId* ids, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++stamp_;
-  batch_.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    Sequence& seq = Find(ids[i]);
-    if (seq.batch_stamp == stamp_) {
-      ThrowInvalid("request id ", ids[i], " appears twice in one store_context_blocks call");
-    }
-    seq.batch_stamp = stamp_;
-    batch_[i] = &seq;
-  }
+  BeginBatch(n);
+  for (std::size_t i = 0; i < n; ++i) BatchMember(i, ids[i], "store_context_blocks");
   std::int64_t newly = 0;
   for (const Sequence* seq : batch_) newly += StoreContext(*seq);
   return newly;

@@ -357,6 +357,23 @@ class KVCacheManager {
   /// one token longer than now no longer attends (a decode step's and a chunk's release rule).
   /// A block several of them hold is freed only if all its holders are in the batch.
   std::int64_t FreedByBatchReleases(std::size_t w);
+  /// The start of a batch call (AddTokens, Prefill, StoreContextBlocks): batch_ holds n entries,
+  /// filled by BatchMember, and a new stamp tells repeated ids apart.
+  void BeginBatch(std::size_t n);
+  /// Entry i of the batch: the sequence `id` (UnknownSequenceError if there is none,
+  /// std::invalid_argument if the call already named it).
+  Sequence& BatchMember(std::size_t i, SeqId id, const char* call) {  // inline: once per sequence per step
+    Sequence& seq = Find(id);
+    if (seq.batch_stamp == stamp_) ThrowRepeated(id, call);
+    seq.batch_stamp = stamp_;
+    batch_[i] = &seq;
+    return seq;
+  }
+  [[noreturn]] static void ThrowRepeated(SeqId id, const char* call);
+  /// Whether every window can hand out `need` blocks once the batch's releases are counted
+  /// (slab borrowing planned under lending): -1 if so, else the first window that cannot;
+  /// check_available_ then holds what each window can give.
+  std::int64_t ShortWindowForBatch(std::int64_t need);
   /// StoreContextBlocks of one sequence (the caller holds mu_).
   std::int32_t StoreContext(const Sequence& seq);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
