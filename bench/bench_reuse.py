@@ -429,11 +429,11 @@ class ChunkedReplay:
                     chunks.append(a)
         self._admit(budget, chunks)
         ran = [a.req.rid for a in chunks if a.alive]
-        if BATCHED_CHUNKS and ran:
-            self.call(self.m.store_context_blocks, ran)
-        elif not BATCHED_CHUNKS:
+        if not BATCHED_CHUNKS:
             for rid in ran:
                 self.call(self.m.store_context_blocks, rid)
+        elif ran:
+            self.call(self.m.store_context_blocks, ran)
         self._complete(decodes, chunks)
         self.call.end_step()
 
