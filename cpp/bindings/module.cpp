@@ -16,4 +16,5 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_mem_get_info", &kvcache::CudaMemGetInfo,
         "(free, total) bytes of the current CUDA device; raises CudaError without one.");
   kvcache::py::BindManager(m);
+  kvcache::py::BindEstimates(m);
 }

@@ -295,6 +295,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   counters_.assign(windows_.size(), WindowCounters{});
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
+    keep_.push_back(windows_[w]->is_swa() ? block_math::Keep(window_sizes_[w], max_draft_tokens_, max_seq_len_)
+                                          : block_math::kKeepAll);
     // Full attention never releases: a base no sequence length reaches.
     release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
                                                   : std::numeric_limits<std::int64_t>::max() / 2);
@@ -355,12 +357,6 @@ std::size_t KVCacheManager::WindowIndex(WindowSize window) const {
     ThrowInvalid("window_size ", window, " is not one of this manager's windows [", known, "]");
   }
   return static_cast<std::size_t>(it - window_sizes_.begin());
-}
-
-std::int32_t KVCacheManager::ReleaseTarget(std::size_t w, std::int32_t num_tokens) const {
-  if (!windows_[w]->is_swa()) return 0;
-  const std::int64_t below = static_cast<std::int64_t>(num_tokens) - window_sizes_[w] - max_draft_tokens_;
-  return below <= 0 ? 0 : static_cast<std::int32_t>(below / tpb_);
 }
 
 void KVCacheManager::ReleaseFrontFrom(Sequence& seq, std::size_t w, std::int32_t num_tokens) {

@@ -331,6 +331,7 @@ void WindowBlockManager::Claim(BlockId b) {
       policy_.Remove(b);
     }
   }
+  if (state_[b].ref_count > 0 && IsPrimary(b)) ++shared_refs_;
   ++state_[b].ref_count;
 }
 
@@ -344,6 +345,7 @@ inline void WindowBlockManager::ReleaseOne(BlockId b, bool to_front, SeqId relea
       more_releasers_[b].push_back(released_by);
     }
   }
+  if (s.ref_count > 1 && IsPrimary(b)) --shared_refs_;
   if (--s.ref_count != 0) return;
   if (IsDisk(b)) {
     DiskQueue(b);
@@ -548,6 +550,10 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
   KVC_CHECK(static_cast<BlockId>(expected_refs.size()) == total, "reference table size");
   std::int32_t free_primary = 0;
   std::int32_t free_secondary = 0;
+  std::int64_t shared_refs = 0;
+  for (BlockId b = 0; b < num_primary_; ++b) shared_refs += std::max(0, state_[b].ref_count - 1);
+  KVC_CHECK(shared_refs == shared_refs_, detail::Concat("window ", window_, ": ", shared_refs_,
+                                                        " shared references counted, ", shared_refs, " held"));
   for (BlockId b = 0; b < total; ++b) {
     if (state_[b].ref_count != expected_refs[b]) {
       throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", state_[b].ref_count, " but ",

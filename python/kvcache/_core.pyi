@@ -14,6 +14,7 @@ __all__: list[str] = [
     "DEFAULT_PRIORITY",
     "DeviceOOMError",
     "InternalError",
+    "KEEP_ALL",
     "KVCacheError",
     "KVCacheManager",
     "LayerBuffer",
@@ -21,9 +22,14 @@ __all__: list[str] = [
     "OFFSET_SENTINEL",
     "OutOfBlocksError",
     "PreparedPrompt",
+    "blocks_to_run_alone",
     "cuda_available",
     "cuda_compiled",
     "cuda_mem_get_info",
+    "peak_live_blocks",
+    "prefill_peak",
+    "released_blocks",
+    "window_keep",
 ]
 
 class KVCacheError(RuntimeError):
@@ -218,6 +224,16 @@ class KVCacheManager:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
         """
+    def get_blocks_to_run_alone(
+        self,
+        prompt_len: typing.SupportsIndex,
+        final_tokens: typing.SupportsIndex,
+        *,
+        chunk_size: typing.SupportsIndex | None = None,
+    ) -> list[int]:
+        """
+        Per window: the most blocks a sequence holds from registration to final_tokens tokens, nothing reused.
+        """
     def get_buffers(self, layer_idx: typing.SupportsIndex) -> typing.Any:
         """
         K/V memory of one layer, [primary_blocks, kv_factor, num_kv_heads, tokens_per_block, head_dim]: a numpy array on the host backend, a LayerBuffer on CUDA.
@@ -232,13 +248,77 @@ class KVCacheManager:
         """
         Primary blocks that can be handed out now; without window_size the minimum over windows.
         """
+    def get_num_held_blocks(
+        self, request_id: typing.SupportsIndex, window_size: typing.SupportsIndex
+    ) -> int:
+        """
+        Blocks the sequence holds in the window now.
+        """
+    def get_num_shared_blocks(self, window_size: typing.SupportsIndex) -> int:
+        """
+        Extra references of blocks held more than once in a window that releases blocks (0 elsewhere).
+        """
     def get_num_used_blocks(self, window_size: typing.SupportsIndex) -> int:
         """
         Primary blocks of the window referenced by sequences or pins.
         """
+    def get_prompt_remaining_blocks(
+        self,
+        prompt: PreparedPrompt,
+        final_tokens: typing.SupportsIndex,
+        *,
+        chunk_size: typing.SupportsIndex | None = None,
+        use_reuse: bool = True,
+        prefill_only: bool = False,
+    ) -> list[int]:
+        """
+        Per window: the free blocks a prompt not registered yet may take until it holds final_tokens tokens.
+        """
+    def get_prompt_step_needs(
+        self,
+        prompt: PreparedPrompt,
+        *,
+        chunk_size: typing.SupportsIndex | None = None,
+        credit_releases: bool = False,
+        use_reuse: bool = True,
+    ) -> list[int]:
+        """
+        Per window: the free blocks registering the prompt with a first chunk of chunk_size tokens takes now.
+        """
+    def get_remaining_blocks(
+        self,
+        request_ids: typing.Any,
+        final_tokens: typing.Any,
+        *,
+        chunk_size: typing.SupportsIndex | None = None,
+        prefill_only: bool = False,
+    ) -> list[int]:
+        """
+        Per window, summed over registered sequences: the free blocks each may still take until it holds final_tokens[i] tokens (prefill_only: until its prompt is prefilled).
+        """
     def get_request_stats(self, request_id: typing.SupportsIndex) -> dict:
         """
         Per-request reuse counters, summed over windows.
+        """
+    def get_sequence_step_needs(
+        self,
+        request_id: typing.SupportsIndex,
+        num_tokens: typing.SupportsIndex,
+        *,
+        credit_releases: bool = False,
+    ) -> list[int]:
+        """
+        Free blocks per window the next step of a registered sequence takes: num_tokens more tokens (a chunk in prefill, 0: the rest of the prompt; else the newest token plus drafts).
+        """
+    def get_step_needs(
+        self,
+        generation_ids: typing.Any,
+        generation_tokens: typing.Any,
+        context_ids: typing.Any,
+        chunk_sizes: typing.Any,
+    ) -> list[int]:
+        """
+        Free blocks each window (window_sizes order) must have for one engine step: the generation tokens (1 + drafts each, one add_tokens call per token position), then the prefill chunks; the step's worst point, releases credited unless another holder keeps the block.
         """
     def has_sequence(self, request_id: typing.SupportsIndex) -> bool: ...
     def is_sequence_valid_for_reuse(self, request_id: typing.SupportsIndex) -> bool: ...
@@ -316,6 +396,18 @@ class KVCacheManager:
     @property
     def window_sizes(self) -> list[int]: ...
 
+def blocks_to_run_alone(
+    prompt_len: typing.SupportsIndex,
+    final_tokens: typing.SupportsIndex,
+    chunk_size: typing.SupportsIndex | None,
+    window: typing.SupportsIndex,
+    keep: typing.SupportsIndex,
+    tokens_per_block: typing.SupportsIndex,
+) -> int:
+    """
+    Most blocks a sequence holds in a window from registration to final_tokens tokens, nothing reused.
+    """
+
 def cuda_available() -> bool:
     """
     True if the CUDA backend was compiled in and a CUDA device is usable now.
@@ -331,6 +423,48 @@ def cuda_mem_get_info() -> tuple[int, int]:
     (free, total) bytes of the current CUDA device; raises CudaError without one.
     """
 
+def peak_live_blocks(
+    lo: typing.SupportsIndex,
+    hi: typing.SupportsIndex,
+    keep: typing.SupportsIndex,
+    tokens_per_block: typing.SupportsIndex,
+    front: typing.SupportsIndex = 0,
+) -> int:
+    """
+    Most blocks one sequence holds while it grows from lo to hi tokens.
+    """
+
+def prefill_peak(
+    start: typing.SupportsIndex,
+    end: typing.SupportsIndex,
+    chunk_size: typing.SupportsIndex,
+    keep: typing.SupportsIndex,
+    tokens_per_block: typing.SupportsIndex,
+    front: typing.SupportsIndex = 0,
+) -> int:
+    """
+    Most blocks held after any prefill chunk of at most chunk_size tokens between start and end tokens.
+    """
+
+def released_blocks(
+    num_tokens: typing.SupportsIndex,
+    keep: typing.SupportsIndex,
+    tokens_per_block: typing.SupportsIndex,
+) -> int:
+    """
+    Leading block positions released once a sequence reached num_tokens tokens.
+    """
+
+def window_keep(
+    window: typing.SupportsIndex,
+    max_draft_tokens: typing.SupportsIndex,
+    max_seq_len: typing.SupportsIndex,
+) -> int:
+    """
+    Tokens a window keeps behind a sequence's end (window + drafts), KEEP_ALL if it never releases.
+    """
+
 DEFAULT_PRIORITY: int = 35
+KEEP_ALL: int = 2305843009213693951
 NULL_BLOCK: int = -1
 OFFSET_SENTINEL: int = -1

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvcache/block_key.h"
+#include "kvcache/block_math.h"
 #include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
 #include "kvcache/prepared_prompt.h"
@@ -321,6 +322,50 @@ class KVCacheManager {
   /// Verifies every invariant; throws InternalError describing the first violation.
   void CheckInvariants() const;
 
+  // ---- Estimates for a scheduler, from the real state (kv_cache_manager_estimates.cpp). Each
+  // returns one count per window, ascending, computed with block_math.h's rules under the
+  // manager's mutex. A chunk size <= 0 means "the whole rest of the prompt in one chunk".
+
+  /// Free blocks each window must have for one engine step as an engine runs it: first the
+  /// generation tokens of `gen_ids` (gen_tokens[i] = 1 + draft tokens, appended by one AddTokens
+  /// call per token position, where a block one sequence releases serves any sequence of the same
+  /// call), then the prefill chunks (chunk_ids[i] gets chunk_tokens[i] more prompt tokens, each
+  /// crediting only its own releases). The worst point of the step; a released block that
+  /// another holder (sequence or pin) also holds frees nothing and is not credited.
+  std::vector<std::int64_t> GetStepNeeds(const SeqId* gen_ids, const std::int32_t* gen_tokens, std::size_t num_gen,
+                                         const SeqId* chunk_ids, const std::int32_t* chunk_tokens,
+                                         std::size_t num_chunks) const;
+  /// Free blocks the next step of registered sequence `id` takes: `num_tokens` more tokens (a
+  /// chunk of its prompt while in prefill, <= 0: the rest; else its newest token plus drafts).
+  /// With `credit_releases`, less what its sliding windows release at the step's worst point.
+  std::vector<std::int64_t> GetSequenceStepNeeds(SeqId id, std::int32_t num_tokens, bool credit_releases) const;
+  /// Summed over registered sequences ids[i]: the free blocks each may still take before it holds
+  /// final_tokens[i] tokens (with `prefill_only`: before its prompt is prefilled), the rest of its
+  /// prompt in chunks of at most `chunk` tokens: the peak of what it will hold less what it holds.
+  std::vector<std::int64_t> GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens, std::size_t n,
+                                               std::int32_t chunk, bool prefill_only) const;
+  /// The same for a prompt not registered yet, growing to `final_tokens` tokens: registering it
+  /// now (its reuse plan: GetNumBlocksToAllocate) plus its growth; `use_reuse` false (with reuse
+  /// on): the bound over whatever the cache holds when it registers.
+  std::vector<std::int64_t> GetPromptRemainingBlocks(const PreparedPrompt& prompt, std::int32_t final_tokens,
+                                                     std::int32_t chunk, bool use_reuse, bool prefill_only) const;
+  /// Free blocks registering `prompt` with a first chunk of `chunk` tokens after its reused prefix
+  /// takes now (GetNumBlocksToAllocate); with `credit_releases`, a sliding window is charged every
+  /// position the chunk holds (sharing reused blocks voids their holders' release credits);
+  /// `use_reuse` false (with reuse on): the bound over every reused prefix.
+  std::vector<std::int64_t> GetPromptStepNeeds(const PreparedPrompt& prompt, std::int32_t chunk,
+                                               bool credit_releases, bool use_reuse) const;
+  /// Most blocks a sequence with a `prompt_len`-token prompt holds from registration until it
+  /// holds `final_tokens` tokens, nothing reused, the prompt in chunks of at most `chunk` tokens:
+  /// what it needs from an otherwise empty pool.
+  std::vector<std::int64_t> GetBlocksToRunAlone(std::int32_t prompt_len, std::int32_t final_tokens,
+                                                std::int32_t chunk) const;
+  /// Extra references of blocks held more than once in a window that releases blocks (sequences
+  /// and pins): the releases the per-sequence estimates credit but that free nothing.
+  std::int64_t GetNumSharedBlocks(WindowSize window) const;
+  /// Blocks sequence `id` holds in `window` now (released positions not counted).
+  std::int32_t GetNumHeldBlocks(SeqId id, WindowSize window) const;
+
  private:
   struct ReusePlan {
     std::vector<NodeId> path;        // nodes of the matched full blocks
@@ -342,7 +387,21 @@ class KVCacheManager {
   const Sequence& Find(SeqId id) const;
   std::size_t WindowIndex(WindowSize window) const;
   /// Number of leading block positions a sliding window may have released at `num_tokens`.
-  std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const;
+  std::int32_t ReleaseTarget(std::size_t w, std::int32_t num_tokens) const {
+    return block_math::Released(num_tokens, keep_[w], tpb_);
+  }
+  /// Blocks of `seq` in window `w` from its released front up to position `target` that another
+  /// holder also holds: releasing them frees nothing.
+  std::int32_t SharedReleases(const Sequence& seq, std::size_t w, std::int32_t target) const;
+  /// Free blocks window `w` has lost to `seq` after appending token `m` (its allocations less
+  /// its private releases; negative when it frees).
+  std::int64_t DecodeDelta(const Sequence& seq, std::size_t w, std::int64_t m) const;
+  /// Free blocks a chunk of `size` tokens of `seq` takes from window `w` (with `credit`: less its
+  /// private releases).
+  std::int64_t ChunkNeed(const Sequence& seq, std::size_t w, std::int32_t size, bool credit) const;
+  /// Registration of `prompt` with a first chunk of `size` tokens, per window (the lock held).
+  void PromptRegistration(const PreparedPrompt& prompt, std::int64_t size,
+                          std::vector<block_math::Registration>* out) const;
   /// Releases the front blocks of `seq` in window `w` that are out of window for a sequence of
   /// `num_tokens` tokens.
   void ReleaseFront(Sequence& seq, std::size_t w, std::int32_t num_tokens) {
@@ -547,8 +606,12 @@ class KVCacheManager {
   /// its front block (window + max_draft_tokens + tokens_per_block; unreachable for full
   /// attention).
   std::vector<std::int64_t> release_base_;
+  /// Per window: the tokens it keeps behind a sequence's end (block_math::Keep).
+  std::vector<std::int64_t> keep_;
   /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
   std::vector<std::int32_t> window_blocks_;
+  mutable std::vector<std::int64_t> step_total_;  // GetStepNeeds: per token position
+  mutable std::vector<block_math::Registration> registration_;  // per window
   // Scratch space of the batch calls (AddTokens, Prefill, StoreContextBlocks), kept to avoid
   // allocations on the per-step path.
   std::vector<Sequence*> batch_;

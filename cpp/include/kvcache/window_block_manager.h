@@ -163,6 +163,9 @@ class WindowBlockManager {
   std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
+  /// Sum over primary blocks of (references - 1) for blocks with more than one: how many
+  /// releases of held blocks would free nothing. Kept as references change (O(1)).
+  std::int64_t NumSharedRefs() const { return shared_refs_; }
   SeqId Owner(BlockId b) const { return state_[b].owner; }
   std::uint32_t Generation(BlockId b) const { return state_[b].generation; }
   NodeId NodeOf(BlockId b) const { return state_[b].node; }
@@ -299,6 +302,7 @@ class WindowBlockManager {
     std::int64_t expiry_ms = 0;
   };
   std::vector<BlockState> state_;
+  std::int64_t shared_refs_ = 0;  // NumSharedRefs()
   std::vector<std::vector<SeqId>> more_releasers_;  // releasers after state_[b].releaser
   std::vector<BlockId> timed_;  // blocks with an expiry
   std::int64_t offloaded_ = 0;

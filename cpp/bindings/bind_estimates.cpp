@@ -1,0 +1,163 @@
+// A scheduler's estimates (KVCacheManager::Get*Needs / Get*Remaining*, kv_cache_manager_estimates.cpp)
+// and the pure block arithmetic of block_math.h (module-level functions of kvcache._core).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "args.h"
+#include "bindings.h"
+#include "kvcache/block_math.h"
+#include "kvcache/errors.h"
+#include "kvcache/kv_cache_manager.h"
+
+namespace kvcache::py {
+namespace {
+
+namespace bm = block_math;
+using M = KVCacheManager;
+namespace py = pybind11;
+
+inline constexpr char kFinalTokens[] = "final_tokens";
+inline constexpr char kChunk[] = "chunk_size";
+inline constexpr char kPromptLen[] = "prompt_len";
+inline constexpr char kLo[] = "lo";
+inline constexpr char kHi[] = "hi";
+inline constexpr char kKeep[] = "keep";
+inline constexpr char kFront[] = "front";
+inline constexpr char kWindow[] = "window";
+using FinalTokens = Int<std::int32_t, kFinalTokens, 1>;
+using ChunkArg = Int<std::int32_t, kChunk, 1>;
+using PromptLen = Int<std::int32_t, kPromptLen, 1>;
+using TokenCount = Int<std::int64_t, kLo, 1>;
+using HiCount = Int<std::int64_t, kHi, 1>;
+using KeepArg = Int<std::int64_t, kKeep, 1>;
+using FrontArg = Int<std::int32_t, kFront, 0>;
+using WindowArg = Int<std::int64_t, kWindow, 1>;
+using BlockSize = Int<std::int32_t, kTokensPerBlock, 1>;
+
+std::int32_t ChunkOrWhole(const std::optional<ChunkArg>& chunk) { return chunk.has_value() ? chunk->value : 0; }
+
+/// Equal-length id and count lists (lists, tuples or 1-D integer arrays).
+void IdsAndCounts(const py::handle& ids_obj, const py::handle& counts_obj, const char* ids_name,
+                  const char* counts_name, std::vector<SeqId>* ids, std::vector<std::int32_t>* counts) {
+  ToRequestIds(ids_obj, ids_name, ids);
+  ToChunkSizes(counts_obj, counts_name, counts);
+  if (ids->size() != counts->size()) {
+    ThrowInvalid(ids->size(), " ", ids_name, " but ", counts->size(), " ", counts_name, ": they must pair up");
+  }
+}
+
+void BindBlockMath(py::module_& m) {
+  // Module-level functions: the block arithmetic of one sequence in one window (block_math.h).
+  py::module_& sub = m;
+  sub.attr("KEEP_ALL") = bm::kKeepAll;
+  sub.def("window_keep", [](WindowArg window, Int<std::int64_t, kMaxDraftTokens, 0> drafts, Int<std::int64_t, kMaxSeqLen, 1> max_seq_len) {
+            return bm::Keep(window.value, drafts.value, max_seq_len.value);
+          },
+          py::arg("window"), py::arg("max_draft_tokens"), py::arg("max_seq_len"),
+          "Tokens a window keeps behind a sequence's end (window + drafts), KEEP_ALL if it never releases.");
+  sub.def("released_blocks", [](Int<std::int64_t, kNumTokens, 0> n, KeepArg keep, BlockSize tpb) {
+            return bm::Released(n.value, keep.value, tpb.value);
+          },
+          py::arg("num_tokens"), py::arg("keep"), py::arg("tokens_per_block"),
+          "Leading block positions released once a sequence reached num_tokens tokens.");
+  sub.def("peak_live_blocks", [](TokenCount lo, HiCount hi, KeepArg keep, BlockSize tpb, FrontArg front) {
+            if (hi.value < lo.value) ThrowInvalid("hi (", hi.value, ") must be >= lo (", lo.value, ")");
+            return bm::PeakLiveBlocks(lo.value, hi.value, keep.value, tpb.value, front.value);
+          },
+          py::arg("lo"), py::arg("hi"), py::arg("keep"), py::arg("tokens_per_block"), py::arg("front") = FrontArg{0},
+          "Most blocks one sequence holds while it grows from lo to hi tokens.");
+  sub.def("prefill_peak", [](Int<std::int64_t, kLo, 0> start, HiCount end, ChunkArg chunk, KeepArg keep, BlockSize tpb, FrontArg front) {
+            if (end.value <= start.value) ThrowInvalid("end (", end.value, ") must be > start (", start.value, ")");
+            return bm::PrefillPeak(start.value, end.value, chunk.value, keep.value, tpb.value, front.value);
+          },
+          py::arg("start"), py::arg("end"), py::arg("chunk_size"), py::arg("keep"), py::arg("tokens_per_block"),
+          py::arg("front") = FrontArg{0},
+          "Most blocks held after any prefill chunk of at most chunk_size tokens between start and end tokens.");
+  sub.def("blocks_to_run_alone",
+          [](PromptLen n, FinalTokens final, const std::optional<ChunkArg>& chunk, WindowArg window, KeepArg keep, BlockSize tpb) {
+            return bm::BlocksToRunAlone(n.value, final.value, ChunkOrWhole(chunk), window.value, keep.value, tpb.value);
+          },
+          py::arg("prompt_len"), py::arg("final_tokens"), py::arg("chunk_size"), py::arg("window"), py::arg("keep"),
+          py::arg("tokens_per_block"),
+          "Most blocks a sequence holds in a window from registration to final_tokens tokens, nothing reused.");
+}
+
+}  // namespace
+
+void BindEstimates(py::module_& m) {
+  BindBlockMath(m);
+  py::class_<M> cls = py::reinterpret_borrow<py::class_<M>>(m.attr("KVCacheManager"));
+  cls.def(
+         "get_step_needs",
+         [](const M& self, const py::handle& gen_ids, const py::handle& gen_tokens, const py::handle& chunk_ids,
+            const py::handle& chunk_tokens) {
+           thread_local std::vector<SeqId> g, c;
+           thread_local std::vector<std::int32_t> gt, ct;
+           IdsAndCounts(gen_ids, gen_tokens, "generation request ids", "generation token counts", &g, &gt);
+           IdsAndCounts(chunk_ids, chunk_tokens, "context request ids", "chunk sizes", &c, &ct);
+           return self.GetStepNeeds(g.data(), gt.data(), g.size(), c.data(), ct.data(), c.size());
+         },
+         py::arg("generation_ids"), py::arg("generation_tokens"), py::arg("context_ids"), py::arg("chunk_sizes"),
+         "Free blocks each window (window_sizes order) must have for one engine step: the generation tokens "
+         "(1 + drafts each, one add_tokens call per token position), then the prefill chunks; the step's worst "
+         "point, releases credited unless another holder keeps the block.")
+      .def(
+          "get_sequence_step_needs",
+          [](const M& self, RequestId id, NumTokens num_tokens, bool credit_releases) {
+            return self.GetSequenceStepNeeds(id.value, num_tokens.value, credit_releases);
+          },
+          py::arg("request_id"), py::arg("num_tokens"), py::kw_only(), py::arg("credit_releases") = false,
+          "Free blocks per window the next step of a registered sequence takes: num_tokens more tokens (a chunk "
+          "in prefill, 0: the rest of the prompt; else the newest token plus drafts).")
+      .def(
+          "get_remaining_blocks",
+          [](const M& self, const py::handle& ids, const py::handle& finals, const std::optional<ChunkArg>& chunk,
+             bool prefill_only) {
+            thread_local std::vector<SeqId> v;
+            thread_local std::vector<std::int32_t> f;
+            IdsAndCounts(ids, finals, "request ids", "final token counts", &v, &f);
+            return self.GetRemainingBlocks(v.data(), f.data(), v.size(), ChunkOrWhole(chunk), prefill_only);
+          },
+          py::arg("request_ids"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
+          py::arg("prefill_only") = false,
+          "Per window, summed over registered sequences: the free blocks each may still take until it holds "
+          "final_tokens[i] tokens (prefill_only: until its prompt is prefilled).")
+      .def(
+          "get_prompt_remaining_blocks",
+          [](const M& self, const PreparedPrompt& prompt, FinalTokens final, const std::optional<ChunkArg>& chunk,
+             bool use_reuse, bool prefill_only) {
+            return self.GetPromptRemainingBlocks(prompt, final.value, ChunkOrWhole(chunk), use_reuse, prefill_only);
+          },
+          py::arg("prompt"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
+          py::arg("use_reuse") = true, py::arg("prefill_only") = false,
+          "Per window: the free blocks a prompt not registered yet may take until it holds final_tokens tokens.")
+      .def(
+          "get_prompt_step_needs",
+          [](const M& self, const PreparedPrompt& prompt, const std::optional<ChunkArg>& chunk, bool credit_releases,
+             bool use_reuse) {
+            return self.GetPromptStepNeeds(prompt, ChunkOrWhole(chunk), credit_releases, use_reuse);
+          },
+          py::arg("prompt"), py::kw_only(), py::arg("chunk_size") = py::none(), py::arg("credit_releases") = false,
+          py::arg("use_reuse") = true,
+          "Per window: the free blocks registering the prompt with a first chunk of chunk_size tokens takes now.")
+      .def(
+          "get_blocks_to_run_alone",
+          [](const M& self, PromptLen n, FinalTokens final, const std::optional<ChunkArg>& chunk) {
+            return self.GetBlocksToRunAlone(n.value, final.value, ChunkOrWhole(chunk));
+          },
+          py::arg("prompt_len"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
+          "Per window: the most blocks a sequence holds from registration to final_tokens tokens, nothing reused.")
+      .def(
+          "get_num_shared_blocks", [](const M& self, WindowSizeArg w) { return self.GetNumSharedBlocks(w.value); },
+          py::arg("window_size"),
+          "Extra references of blocks held more than once in a window that releases blocks (0 elsewhere).")
+      .def(
+          "get_num_held_blocks",
+          [](const M& self, RequestId id, WindowSizeArg w) { return self.GetNumHeldBlocks(id.value, w.value); },
+          py::arg("request_id"), py::arg("window_size"), "Blocks the sequence holds in the window now.");
+}
+
+}  // namespace kvcache::py
