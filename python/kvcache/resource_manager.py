@@ -25,8 +25,11 @@ the newest generated token is not cached yet. A request that generates ``max_new
 tokens therefore peaks at ``prompt_len + max_new_tokens - 1`` cached tokens (plus nothing for
 drafts, which are capped at what is left to generate).
 
-Block estimates follow the native manager's rules exactly (``keep`` = window +
-``max_draft_tokens``; a full-attention window never releases):
+Block estimates are the native manager's own (``KVCacheManager.get_step_needs``,
+``get_remaining_blocks``, ``get_prompt_remaining_blocks``, ...): the manager computes them under
+its lock from its real state (block lists, released fronts, reference counts) with the rules of
+``block_math.h``, the same rules its calls follow (``keep`` = window + ``max_draft_tokens``; a
+full-attention window never releases):
 
 * registering a prompt with a reused prefix of ``R`` tokens gives every window the positions
   up to ``R + chunk`` (the whole prompt without chunking), except that a sliding window ``w``
@@ -39,13 +42,10 @@ Block estimates follow the native manager's rules exactly (``keep`` = window +
   and after each appended token a sliding window releases the front blocks whose positions
   are all below ``num_tokens - keep`` (released before anything is allocated).
 
-With block reuse on, a registration takes exactly what ``KVCacheManager.
-get_num_blocks_to_allocate`` says (blocks that other running requests hold cost nothing). A
-block of a sliding window that several running requests share is freed only when its last
-holder releases it; the estimates credit releases per request, so
-:meth:`KVCacheResourceManager.get_num_shared_blocks` counts the extra holdings that the
-scheduler must keep in reserve (see
-:meth:`~KVCacheResourceManager.get_remaining_blocks_to_completion`).
+A released block that another holder (a running request, a pin) keeps frees nothing, so it is
+not credited; :meth:`KVCacheResourceManager.get_num_shared_blocks` counts such extra holdings
+from the real reference counts, which the scheduler keeps in reserve. Nothing of the block
+state is mirrored here: the resource manager keeps only which requests it registered.
 
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
@@ -87,14 +87,14 @@ Example:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvcache import _core as _block_math
 from kvcache._core import OutOfBlocksError, PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.manager import KVCacheManager
+from kvcache.request import Request, RequestState, ScheduledBatch
 
 __all__ = [
     "KVCacheResourceManager",
@@ -106,6 +106,7 @@ __all__ = [
 
 
 _PREPARED_CACHE_LIMIT = 4096  # prepared contexts kept for requests not yet registered
+_DONE = (RequestState.FINISHED, RequestState.FAILED)
 
 
 class EventPublisher(Protocol):
@@ -115,250 +116,14 @@ class EventPublisher(Protocol):
         """Publishes the events of the step that just ended."""
 
 
-class RequestState(enum.Enum):
-    """Where a request is in its life."""
-
-    WAITING = "waiting"
-    """Not scheduled yet (or paused and waiting to resume); holds no blocks."""
-    CONTEXT = "context"
-    """Its prompt is being processed (possibly in chunks); holds blocks."""
-    GENERATION = "generation"
-    """Generating tokens; holds blocks."""
-    PAUSED = "paused"
-    """Was running, was freed by the scheduler, resumes later with nothing lost."""
-    FINISHED = "finished"
-    """Generated ``max_new_tokens`` tokens."""
-    FAILED = "failed"
-    """Can never fit (longer than ``max_seq_len`` or than a window's whole pool)."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One inference request as the KV cache layer sees it.
-
-    Args:
-        request_id: Unique id (also the manager's sequence id).
-        prompt: Prompt token ids (non-empty, non-negative).
-        max_new_tokens: Tokens to generate (> 0).
-        generated: Tokens generated so far (kept when the request is paused).
-        lora_task_id: LoRA adapter id (part of the reuse key).
-        cache_salt: Cache salt (part of the reuse key).
-        multimodal: ``(content_hash, start, length)`` items (part of the reuse key).
-        priority: Retention priority 0..100 for this request's blocks.
-        arrival: Engine step at which the request arrives (for simulations).
-
-    Attributes:
-        state: See :class:`RequestState`.
-        context_position: Prompt tokens (of :meth:`context_tokens`) already in the cache: 0
-            before the first chunk, then the reused prefix plus the chunks run so far
-            (:meth:`KVCacheResourceManager.prepare_resources` sets it to the reused prefix
-            when it registers the prompt; ``update_resources`` advances it).
-        draft_tokens: Draft tokens proposed for the next step (speculative decoding).
-        rewind_len: Draft tokens the engine rejected in the last step; consumed by
-            :meth:`KVCacheResourceManager.update_resources`.
-        reused_tokens: Prompt tokens found in the cache at the last ``add_sequence``.
-        num_pauses: Times the scheduler paused this request.
-    """
-
-    request_id: int
-    prompt: Sequence[int]
-    max_new_tokens: int
-    generated: list[int] = field(default_factory=list)
-    lora_task_id: int | None = None
-    cache_salt: str | bytes | int | None = None
-    multimodal: Sequence[tuple[bytes | int, int, int]] | None = None
-    priority: int | None = None
-    arrival: int = 0
-    state: RequestState = RequestState.WAITING
-    context_position: int = 0
-    draft_tokens: list[int] = field(default_factory=list)
-    rewind_len: int = 0
-    reused_tokens: int = 0
-    num_pauses: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.request_id, bool) or not isinstance(self.request_id, int):
-            raise ValueError(f"request_id must be an int, got {self.request_id!r}")
-        if len(self.prompt) == 0:
-            raise ValueError(f"request {self.request_id}: the prompt is empty")
-        if (
-            isinstance(self.max_new_tokens, bool)
-            or not isinstance(self.max_new_tokens, int)
-            or self.max_new_tokens <= 0
-        ):
-            raise ValueError(
-                f"request {self.request_id}: max_new_tokens must be a positive int, "
-                f"got {self.max_new_tokens!r}"
-            )
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens in the original prompt."""
-        return len(self.prompt)
-
-    @property
-    def num_generated(self) -> int:
-        """Tokens generated so far."""
-        return len(self.generated)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.prompt) + len(self.generated)
-
-    @property
-    def remaining_new_tokens(self) -> int:
-        """Tokens still to generate."""
-        return self.max_new_tokens - len(self.generated)
-
-    @property
-    def is_finished(self) -> bool:
-        """True once ``max_new_tokens`` tokens were generated."""
-        return len(self.generated) >= self.max_new_tokens
-
-    @property
-    def max_kv_tokens(self) -> int:
-        """Most tokens this request ever holds in the cache: ``prompt + max_new - 1``."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
-    def context_len(self) -> int:
-        """Length of :meth:`context_tokens` (prompt plus generated), without building it."""
-        return len(self.prompt) + len(self.generated)
-
-    def context_tokens(self) -> list[int]:
-        """Tokens a context step registers: the prompt plus anything generated before a pause."""
-        return [*self.prompt, *self.generated]
-
-    def append_tokens(self, tokens: Sequence[int]) -> None:
-        """Records tokens produced by the engine's step and advances the state.
-
-        Example:
-            >>> r = Request(7, prompt=[1, 2], max_new_tokens=2)
-            >>> r.append_tokens([5]); r.state, r.is_finished
-            (<RequestState.GENERATION: 'generation'>, False)
-            >>> r.append_tokens([6]); r.state
-            <RequestState.FINISHED: 'finished'>
-        """
-        if len(self.generated) + len(tokens) > self.max_new_tokens:
-            raise ValueError(
-                f"request {self.request_id}: {len(tokens)} more tokens would exceed "
-                f"max_new_tokens={self.max_new_tokens}"
-            )
-        if self.state is RequestState.CONTEXT:
-            self.context_position = self.context_len
-        self.generated.extend(int(t) for t in tokens)
-        self.state = RequestState.FINISHED if self.is_finished else RequestState.GENERATION
-
-
-@dataclass
-class ScheduledBatch:
-    """The requests of one engine step.
-
-    Context entries carry the chunk of the prompt computed in this step (tokens after
-    :attr:`Request.context_position`; the first chunk registers the whole prompt with the
-    cache, and its tokens count after the reused prefix); generation entries carry the number
-    of draft tokens verified in this step.
-
-    Example:
-        >>> a = Request(1, [1, 2, 3], 4); b = Request(2, [4, 5], 4, draft_tokens=[6, 7])
-        >>> batch = ScheduledBatch()
-        >>> batch.add_context(a); batch.add_generation(b, num_draft_tokens=2)
-        >>> [r.request_id for r in batch.context_requests], batch.chunk_size(a)
-        ([1], 3)
-        >>> len(batch), batch.num_draft_tokens(b), batch.num_tokens()
-        (2, 2, 6)
-    """
-
-    context: list[tuple[Request, int]] = field(default_factory=list)
-    generation: list[tuple[Request, int]] = field(default_factory=list)
-
-    def add_context(self, request: Request, chunk_size: int | None = None) -> None:
-        """Adds a context request; ``chunk_size`` defaults to the rest of its prompt."""
-        remaining = request.context_len - request.context_position
-        size = remaining if chunk_size is None else chunk_size
-        if not 0 < size <= remaining:
-            raise ValueError(
-                f"request {request.request_id}: chunk_size must be in 1..{remaining}, got {size}"
-            )
-        self.context.append((request, size))
-
-    def add_generation(self, request: Request, num_draft_tokens: int = 0) -> None:
-        """Adds a generation request that verifies ``num_draft_tokens`` drafts this step."""
-        if num_draft_tokens < 0 or num_draft_tokens > len(request.draft_tokens):
-            raise ValueError(
-                f"request {request.request_id}: num_draft_tokens must be in "
-                f"0..{len(request.draft_tokens)} (its draft_tokens), got {num_draft_tokens}"
-            )
-        self.generation.append((request, num_draft_tokens))
-
-    @property
-    def context_requests(self) -> list[Request]:
-        """Context requests, in order."""
-        return [r for r, _ in self.context]
-
-    @property
-    def generation_requests(self) -> list[Request]:
-        """Generation requests, in order."""
-        return [r for r, _ in self.generation]
-
-    def chunk_size(self, request: Request) -> int:
-        """Prompt tokens of ``request`` processed in this step."""
-        for r, size in self.context:
-            if r is request:
-                return size
-        raise KeyError(request.request_id)
-
-    def is_last_chunk(self, request: Request) -> bool:
-        """True if ``request``'s chunk in this step ends its context, so that the step
-        produces its first generated token.
-
-        Exact once :meth:`KVCacheResourceManager.prepare_resources` ran: that call counts the
-        reused prefix of a new request as processed (and shortens a first chunk that would
-        run past the prompt), so a reuse hit can make a chunk the last one.
-        """
-        return request.context_position + self.chunk_size(request) >= request.context_len
-
-    def num_draft_tokens(self, request: Request) -> int:
-        """Draft tokens of ``request`` verified in this step."""
-        for r, d in self.generation:
-            if r is request:
-                return d
-        raise KeyError(request.request_id)
-
-    def num_tokens(self) -> int:
-        """Tokens the model processes in this step."""
-        return sum(s for _, s in self.context) + sum(1 + d for _, d in self.generation)
-
-    def __len__(self) -> int:
-        return len(self.context) + len(self.generation)
-
-
-# --------------------------------------------------------------------------------------
-# Block arithmetic (pure)
-# --------------------------------------------------------------------------------------
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _released(num_tokens: int, keep: int, tpb: int) -> int:
-    """Front blocks a sliding window has released at ``num_tokens`` tokens.
-
-    ``keep`` is the window plus the manager's ``max_draft_tokens``.
-    """
-    below = num_tokens - keep
-    return below // tpb if below > 0 else 0
-
-
 def peak_live_blocks(lo: int, hi: int, *, keep: int, tokens_per_block: int, front: int = 0) -> int:
     """Most blocks one sequence holds in a window while it grows from ``lo`` to ``hi`` tokens.
 
     After appending token ``m`` the sequence holds ``ceil(m / tpb) - max(front, R(m))``
     blocks, where ``R(m) = max(0, m - keep) // tpb`` front blocks have left the window
     (``keep`` = window + max_draft_tokens; a full-attention window never releases) and
-    ``front`` is what was already released. Computed in O(1).
+    ``front`` is what was already released. Computed in O(1) by the native core
+    (``kvcache._core.peak_live_blocks``), the rule the manager itself follows.
 
     Args:
         lo: First length reached (>= 1).
@@ -370,6 +135,9 @@ def peak_live_blocks(lo: int, hi: int, *, keep: int, tokens_per_block: int, fron
     Returns:
         The maximum, over ``m`` in ``[lo, hi]``, of the blocks held after token ``m``.
 
+    Raises:
+        ValueError: ``hi < lo`` or an argument out of range.
+
     Example:
         Window 6, 4-token blocks: at 13 tokens blocks 1..3 hold positions 4..12 (block 0 left
         the window at 10 tokens); at most 3 blocks are ever held.
@@ -379,79 +147,7 @@ def peak_live_blocks(lo: int, hi: int, *, keep: int, tokens_per_block: int, fron
         >>> peak_live_blocks(1, 100, keep=5, tokens_per_block=4)   # 5 = 4 + 1: never 3
         2
     """
-    tpb = tokens_per_block
-    if hi < lo:
-        raise ValueError(f"hi ({hi}) must be >= lo ({lo})")
-    # Below m_star the front released before is what counts; from m_star on, R(m) > front.
-    m_star = keep + (front + 1) * tpb
-    best = 0
-    if lo < m_star:
-        best = _ceil_div(min(hi, m_star - 1), tpb) - front
-    if hi >= m_star:
-        # For m = keep + j (j >= 1): ceil(m/tpb) - j // tpb = a + ceil((b + j % tpb) / tpb)
-        # with keep = a * tpb + b; non-decreasing in j % tpb, so take the largest residue.
-        j0, j1 = max(lo, m_star) - keep, hi - keep
-        if j1 - j0 + 1 >= tpb or j0 % tpb > j1 % tpb:
-            s = tpb - 1
-        else:
-            s = j1 % tpb
-        a, b = divmod(keep, tpb)
-        best = max(best, a + _ceil_div(b + s, tpb))
-    return best
-
-
-def _prefill_peak(start: int, end: int, chunk: int, *, keep: int, tpb: int, front: int) -> int:
-    """Most blocks one sequence holds in a window after any prefill chunk of at most ``chunk``
-    tokens that starts at ``start`` tokens or later and ends by ``end`` tokens.
-
-    A chunk from ``a`` to ``b`` tokens first releases the front blocks below
-    ``a + 1 - keep`` (as ``KVCacheManager.prefill`` does), then holds
-    ``ceil(b / tpb) - max(front, released)`` blocks. The worst chunk ending at ``b`` starts as
-    early as it can: at ``start`` while ``b <= start + chunk``, else at ``b - chunk``, which
-    is :func:`peak_live_blocks` with ``keep + chunk - 1`` kept tokens. So this is the exact
-    worst case over every way of cutting the rest of the prompt into chunks of at most
-    ``chunk`` tokens, and exact when the rest is one chunk.
-    """
-    first_end = min(end, start + chunk)
-    best = _ceil_div(first_end, tpb) - max(front, _released(start + 1, keep, tpb))
-    if first_end < end:
-        best = max(
-            best,
-            peak_live_blocks(
-                first_end + 1, end, keep=keep + chunk - 1, tokens_per_block=tpb, front=front
-            ),
-        )
-    return best
-
-
-@dataclass
-class _SeqState:
-    """What the resource manager knows about a request registered with the manager."""
-
-    kv_len: int  # tokens with blocks (fewer than context_len while chunks remain)
-    hwm: int  # most tokens the cache ever held for it (sliding windows release by this)
-    context_len: int  # tokens of the registered context (prompt plus resumed tokens)
-    front: list[int]  # released (or never allocated) front blocks per window (ascending)
-    # With reuse: the block ids of the context positions that have blocks, per window that
-    # can release blocks (None elsewhere). Only these can be shared with other requests
-    # (prefilled chunks are stored for reuse); blocks of generated tokens are private while
-    # the request runs.
-    ids: list[list[int] | None] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Registration:
-    """What registering a request's context with a first chunk does now."""
-
-    reused: int  # prompt tokens found in the cache
-    first_end: int  # tokens with blocks afterwards
-    front: list[int]  # per window: leading positions that get no block
-    cost: list[int]  # per window: free blocks taken
-
-
-# --------------------------------------------------------------------------------------
-# Resource manager
-# --------------------------------------------------------------------------------------
+    return int(_block_math.peak_live_blocks(lo, hi, keep, tokens_per_block, front))
 
 
 class KVCacheResourceManager:
@@ -461,6 +157,9 @@ class KVCacheResourceManager:
         manager: The KV cache manager (it decides windows, block size and draft allowance).
         event_publisher: Called (``publish()``) once per step at the end of
             :meth:`update_resources`, e.g. a :class:`kvcache.events.ZmqEventPublisher`.
+
+    Raises:
+        TypeError: ``manager`` is not a :class:`kvcache.KVCacheManager`.
 
     Example:
         See the module docstring.
@@ -475,20 +174,13 @@ class KVCacheResourceManager:
         self._tpb: int = int(manager.tokens_per_block)
         self._max_seq_len: int = int(manager.max_seq_len)
         self._max_draft: int = int(getattr(manager, "max_draft_tokens", 0))
-        self._keep = [w + self._max_draft for w in self._windows]
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
-        self._seqs: dict[int, _SeqState] = {}
+        self._running: dict[int, Request] = {}  # registered requests (they hold blocks)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
         self._reuse = bool(reuse)
-        # Windows that can release blocks while a sequence runs (keep < max_seq_len).
-        self._releasing = [keep < self._max_seq_len for keep in self._keep]
-        # With reuse, per releasing window: holders of each shared-able block among the
-        # registered requests, and the extra holdings (sum of holders - 1).
-        self._holders: list[dict[int, int]] = [{} for _ in self._windows]
-        self._shared: list[int] = [0] * len(self._windows)
 
     @classmethod
     def from_blocks(
@@ -593,7 +285,7 @@ class KVCacheResourceManager:
 
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
-        return request.request_id in self._seqs
+        return request.request_id in self._running
 
     def num_draft_tokens_for(self, request: Request) -> int:
         """Drafts usable in the request's next step: at most its drafts, the manager's
@@ -632,7 +324,7 @@ class KVCacheResourceManager:
         prefills: list[tuple[Request, int]] = []
         try:
             for k, (request, chunk) in enumerate(original):
-                if request.request_id in self._seqs:
+                if request.request_id in self._running:
                     self._check_prefill(request)
                     prefills.append((request, chunk))
                     continue
@@ -657,8 +349,8 @@ class KVCacheResourceManager:
             self._roll_back(added, grown)
             batch.context[:] = original
             raise
-        if prefills:  # checked above: cannot run out of blocks
-            self._prefill(prefills)
+        if prefills:  # checked above: cannot run out of blocks (one call for the step)
+            self._manager.prefill([r.request_id for r, _ in prefills], [k for _, k in prefills])
 
     def update_resources(self, batch: ScheduledBatch) -> None:
         """After the step: advances the context requests (``context_position``), drops
@@ -672,9 +364,8 @@ class KVCacheResourceManager:
                 ``rewind_len``.
         """
         for request, _ in batch.context:
-            seq = self._seqs.get(request.request_id)
-            if seq is not None:
-                self._check_context_step(request, seq)
+            if request.request_id in self._running:
+                self._check_context_step(request)
         for request, d in batch.generation:
             rewind = request.rewind_len
             if rewind:
@@ -684,17 +375,16 @@ class KVCacheResourceManager:
                         "(the drafts verified this step)"
                     )
                 self._manager.rewind(request.request_id, rewind)
-                self._seqs[request.request_id].kv_len -= rewind
                 request.rewind_len = 0
             request.draft_tokens = []
         ran: list[int] = []
         for request, _ in batch.context:
-            seq = self._seqs.get(request.request_id)
-            if seq is None:
+            rid = request.request_id
+            if rid not in self._running:
                 continue
             if request.state is RequestState.CONTEXT:
-                request.context_position = seq.kv_len
-            ran.append(request.request_id)
+                request.context_position = int(self._manager.num_tokens(rid))
+            ran.append(rid)
         if self._reuse and ran:
             self._manager.store_context_blocks(ran)  # every chunk that ran, in one call
         if self._event_publisher is not None:
@@ -702,20 +392,19 @@ class KVCacheResourceManager:
 
     def free_resources(self, request: Request, *, store_for_reuse: bool = True) -> None:
         """Ends the request's sequence and returns its blocks (stored for reuse if enabled)."""
-        if request.request_id not in self._seqs:
+        if request.request_id not in self._running:
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
-        self._drop_holdings(self._seqs.pop(request.request_id))
+        del self._running[request.request_id]
 
     # ------------------------------------------------------------------ estimates
 
     def get_num_allocated_blocks(self, request: Request, window_size: int) -> int:
         """Blocks the request holds now in a window (released front blocks not counted)."""
-        seq = self._seqs.get(request.request_id)
-        if seq is None:
+        self._index(window_size)
+        if request.request_id not in self._running:
             return 0
-        i = self._index(window_size)
-        return _ceil_div(seq.kv_len, self._tpb) - seq.front[i]
+        return int(self._manager.get_num_held_blocks(request.request_id, window_size))
 
     def get_reusable_prefix_length(self, request: Request) -> int:
         """Context tokens that registering the request now would find in the cache (0
@@ -724,7 +413,7 @@ class KVCacheResourceManager:
         A scheduler sizes a first chunk with it: the chunk counts the tokens after this
         prefix.
         """
-        if request.request_id in self._seqs:
+        if request.request_id in self._running:
             return request.reused_tokens
         if not self._reuse:
             return 0
@@ -806,15 +495,14 @@ class KVCacheResourceManager:
             window blocks with its first generated token; in the same call they serve the
             other requests' new blocks, so a full sliding pool can still run the step.
         """
-        gen = [(r, d) for r, d in batch.generation if r.request_id in self._seqs]
+        running = self._running
+        gen = [(r, d) for r, d in batch.generation if r.request_id in running]
         chunks = [
             (r, k)
             for r, k in batch.context
-            if r.request_id in self._seqs
-            and r.state is RequestState.CONTEXT
-            and self._seqs[r.request_id].kv_len < self._seqs[r.request_id].context_len
+            if r.request_id in running and r.state is RequestState.CONTEXT and self._in_prefill(r)
         ]
-        return dict(zip(self._windows, self._step_total(gen, chunks), strict=True))
+        return dict(zip(self._windows, self._step_needs(gen, chunks), strict=True))
 
     def get_remaining_blocks_to_completion(
         self,
@@ -877,24 +565,22 @@ class KVCacheResourceManager:
         (``None``: whole): what it needs from an otherwise empty pool (the scheduler rejects
         a request for which this exceeds a window's pool)."""
         self._check_chunk_size(chunk_size)
-        n = request.context_len
-        size = n if chunk_size is None else min(chunk_size, n)
-        nb = _ceil_div(size, self._tpb)
-        alone = _Registration(0, size, [0] * len(self._windows), [nb] * len(self._windows))
-        final = request.max_kv_tokens
-        return {
-            w: self._peak_new(request, i, size, alone, final) for i, w in enumerate(self._windows)
-        }
+        alone = self._manager.get_blocks_to_run_alone(
+            request.context_len, request.max_kv_tokens, chunk_size=chunk_size
+        )
+        return dict(zip(self._windows, alone, strict=True))
 
     def get_num_shared_blocks(self, window_size: int) -> int:
         """Extra holdings of blocks that several registered requests share in a window that
-        releases blocks: the sum over such blocks of (holders - 1); 0 in windows that never
-        release (full attention) or without reuse.
+        releases blocks: the sum over such blocks of (holders - 1), holders being requests and
+        pins, read from the manager's reference counts; 0 in windows that never release (full
+        attention) or without reuse.
 
         Each holder's estimates credit the release of a shared block, but only the last
         release frees it, so the scheduler keeps this many blocks in reserve.
         """
-        return self._shared[self._index(window_size)]
+        self._index(window_size)
+        return int(self._manager.get_num_shared_blocks(window_size))
 
     def get_num_free_blocks(self, window_size: int | None = None) -> int:
         """Primary blocks that can be handed out now; without a window the minimum over
@@ -907,6 +593,45 @@ class KVCacheResourceManager:
         """Tokens that fit in the free blocks of the tightest window, less the draft
         allowance: ``get_num_free_blocks() * tokens_per_block - max_draft_tokens``."""
         return max(0, self.get_num_free_blocks() * self._tpb - self._max_draft)
+
+    # ------------------------------------------------------------------ batch estimates
+
+    def get_remaining_blocks_for(
+        self,
+        requests: Sequence[Request],
+        *,
+        chunk_size: int | None = None,
+        prefill_only: bool = False,
+    ) -> list[int]:
+        """:meth:`get_remaining_blocks_per_window` summed over registered requests, one count
+        per window (:attr:`window_sizes` order), in one native call: what
+        ``guaranteed_no_evict`` scheduling commits to the running requests.
+
+        Raises:
+            KeyError: A request that holds no blocks.
+            ValueError: A bad ``chunk_size``.
+        """
+        self._check_chunk_size(chunk_size)
+        for r in requests:
+            if r.request_id not in self._running:
+                raise KeyError(f"request {r.request_id} holds no KV cache blocks")
+        return [
+            int(n)
+            for n in self._manager.get_remaining_blocks(
+                [r.request_id for r in requests],
+                [r.max_kv_tokens for r in requests],
+                chunk_size=chunk_size,
+                prefill_only=prefill_only,
+            )
+        ]
+
+    def get_needed_blocks_for_plan(
+        self, generation: Sequence[tuple[Request, int]], chunks: Sequence[tuple[Request, int]]
+    ) -> list[int]:
+        """:meth:`get_needed_blocks_for_step` for a step given as ``(request, draft tokens)``
+        generation pairs and ``(request, chunk size)`` pairs of registered requests in prefill,
+        one count per window (:attr:`window_sizes` order), without building a batch."""
+        return self._step_needs(generation, chunks)
 
     # ------------------------------------------------------------------ internals
 
@@ -943,257 +668,72 @@ class KVCacheResourceManager:
         ):
             raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
-    # --- estimates: one step
+    def _in_prefill(self, request: Request) -> bool:
+        rid = request.request_id
+        return int(self._manager.num_tokens(rid)) < int(self._manager.prompt_length(rid))
+
+    def _step_needs(
+        self, gen: Sequence[tuple[Request, int]], chunks: Sequence[tuple[Request, int]]
+    ) -> list[int]:
+        return [
+            int(n)
+            for n in self._manager.get_step_needs(
+                [r.request_id for r, _ in gen],
+                [1 + d for _, d in gen],
+                [r.request_id for r, _ in chunks],
+                [k for _, k in chunks],
+            )
+        ]
 
     def _needs(
         self, request: Request, chunk: int | None, credit: bool, use_reuse: bool
     ) -> list[int]:
         self._check_chunk_size(chunk)
-        nw = len(self._windows)
-        seq = self._seqs.get(request.request_id)
-        if seq is None:
-            if request.state in (RequestState.FINISHED, RequestState.FAILED):
-                return [0] * nw
-            return self._first_chunk_need(request, chunk, credit, use_reuse)
-        if request.state is RequestState.CONTEXT and seq.kv_len < seq.context_len:
-            rest = seq.context_len - seq.kv_len
+        rid = request.request_id
+        if rid not in self._running:
+            if request.state in _DONE:
+                return [0] * len(self._windows)
+            needs = self._manager.get_prompt_step_needs(
+                self._prompt(request),
+                chunk_size=chunk,
+                credit_releases=credit,
+                use_reuse=use_reuse,
+            )
+            return [int(n) for n in needs]
+        if request.state is RequestState.CONTEXT and self._in_prefill(request):
+            rest = int(self._manager.prompt_length(rid)) - int(self._manager.num_tokens(rid))
             if chunk is not None and chunk > rest:
                 raise ValueError(
-                    f"request {request.request_id}: chunk_size {chunk} exceeds the {rest} "
-                    "prompt tokens left"
+                    f"request {rid}: chunk_size {chunk} exceeds the {rest} prompt tokens left"
                 )
-            size = rest if chunk is None else chunk
-            return [self._prefill_need(seq, i, size, credit) for i in range(nw)]
+            needs = self._manager.get_sequence_step_needs(
+                rid, rest if chunk is None else chunk, credit_releases=credit
+            )
+            return [int(n) for n in needs]
         if request.state is RequestState.GENERATION:
             tokens = 1 + self.num_draft_tokens_for(request)
-            return [self._decode_need(seq, i, tokens, credit) for i in range(nw)]
-        return [0] * nw
-
-    def _first_chunk_need(
-        self, request: Request, chunk: int | None, credit: bool, use_reuse: bool
-    ) -> list[int]:
-        n = request.context_len
-        size = n if chunk is None else chunk
-        if self._reuse and not use_reuse:
-            return [self._first_chunk_bound(n, size, i) for i in range(len(self._windows))]
-        reg = self._registration(request, size)
-        if not credit:
-            return reg.cost
-        held = _ceil_div(reg.first_end, self._tpb)
-        return [
-            max(cost, held - front) if releasing else cost
-            for cost, front, releasing in zip(reg.cost, reg.front, self._releasing, strict=True)
-        ]
-
-    def _first_chunk_bound(self, n: int, size: int, i: int) -> int:
-        """Most positions a first chunk of ``size`` tokens gives blocks to in window ``i``,
-        over every reused prefix ``R``: the positions up to ``R + size``, less the
-        ``max(0, R - window) // tpb`` that a sliding window skips."""
-        if not self._releasing[i]:
-            return _ceil_div(n, self._tpb)
-        return peak_live_blocks(
-            min(size, n), n, keep=self._windows[i] + size, tokens_per_block=self._tpb
-        )
-
-    def _registration(self, request: Request, size: int) -> _Registration:
-        """What registering the request's context with a first chunk of ``size`` tokens
-        after the reused prefix takes now (the whole context if ``size`` covers it)."""
-        n = request.context_len
-        nw = len(self._windows)
-        reused = 0
-        if self._reuse:
-            reused = int(self._manager.get_reusable_prefix_length(self._prompt(request)))
-        first = min(n, reused + size)
-        if reused == 0:
-            return _Registration(0, first, [0] * nw, [_ceil_div(first, self._tpb)] * nw)
-        cost = self._manager.get_num_blocks_to_allocate(
-            self._prompt(request), prefill=None if size >= n else size
-        )
-        front = [max(0, reused - w) // self._tpb for w in self._windows]
-        return _Registration(reused, first, front, [int(cost[w]) for w in self._windows])
-
-    def _shared_releases(self, seq: _SeqState, i: int, target: int) -> int:
-        """Blocks of window ``i`` from the released front up to position ``target`` that
-        another registered request also holds: releasing them frees nothing."""
-        ids = seq.ids[i] if seq.ids else None
-        if ids is None:
-            return 0
-        holders = self._holders[i]
-        return sum(1 for j in range(seq.front[i], min(target, len(ids))) if holders[ids[j]] > 1)
-
-    def _prefill_need(self, seq: _SeqState, i: int, size: int, credit: bool) -> int:
-        tpb = self._tpb
-        n = seq.kv_len
-        new = _ceil_div(n + size, tpb) - _ceil_div(n, tpb)
-        if not credit:
-            return new
-        target = _released(n + 1, self._keep[i], tpb)
-        freed = max(0, target - seq.front[i]) - self._shared_releases(seq, i, target)
-        return max(0, new - freed)
-
-    def _decode_need(self, seq: _SeqState, i: int, tokens: int, credit: bool) -> int:
-        tpb = self._tpb
-        new = _ceil_div(seq.kv_len + tokens, tpb) - _ceil_div(seq.kv_len, tpb)
-        if not credit:
-            return new
-        live = _ceil_div(seq.kv_len, tpb) - seq.front[i]
-        peak = peak_live_blocks(
-            seq.kv_len + 1,
-            seq.kv_len + tokens,
-            keep=self._keep[i],
-            tokens_per_block=tpb,
-            front=seq.front[i],
-        )
-        need = max(0, peak - live)
-        # Releasing a block that another request holds frees nothing: no credit.
-        target = _released(max(seq.hwm, seq.kv_len + tokens), self._keep[i], tpb)
-        shared = self._shared_releases(seq, i, target)
-        if shared:
-            need = min(new, need + shared)
-        return need
-
-    def _decode_profile(self, seq: _SeqState, i: int, tokens: int) -> list[int]:
-        """Free blocks window ``i`` has lost to ``seq`` after each of its next ``tokens``
-        appended tokens (allocations less private releases; negative when it frees)."""
-        tpb = self._tpb
-        kv = seq.kv_len
-        held = _ceil_div(kv, tpb)
-        out = []
-        for m in range(kv + 1, kv + tokens + 1):
-            target = _released(max(seq.hwm, m), self._keep[i], tpb)
-            freed = max(0, target - seq.front[i]) - self._shared_releases(seq, i, target)
-            out.append(_ceil_div(m, tpb) - held - freed)
-        return out
-
-    def _step_total(
-        self, gen: Sequence[tuple[Request, int]], chunks: Sequence[tuple[Request, int]]
-    ) -> list[int]:
-        """Per window: the worst point of a step's generation tokens (summed per
-        ``add_tokens`` call) and then its prefill chunks; see
-        :meth:`get_needed_blocks_for_step`."""
-        out = []
-        calls = max((1 + d for _, d in gen), default=0)
-        for i in range(len(self._windows)):
-            total = [0] * calls
-            for r, d in gen:
-                profile = self._decode_profile(self._seqs[r.request_id], i, 1 + d)
-                for j in range(calls):
-                    total[j] += profile[min(j, d)]
-            after = total[-1] if total else 0
-            prefill = sum(
-                self._prefill_need(self._seqs[r.request_id], i, k, True) for r, k in chunks
-            )
-            out.append(max(0, *total, after + prefill))
-        return out
-
-    # --- estimates: to completion
+            needs = self._manager.get_sequence_step_needs(rid, tokens, credit_releases=credit)
+            return [int(n) for n in needs]
+        return [0] * len(self._windows)
 
     def _remaining(
         self, request: Request, chunk: int | None, use_reuse: bool, prefill_only: bool
     ) -> list[int]:
         self._check_chunk_size(chunk)
-        nw = len(self._windows)
-        seq = self._seqs.get(request.request_id)
-        if seq is not None:
-            final = seq.context_len if prefill_only else request.max_kv_tokens
-            return [self._remaining_registered(seq, i, chunk, final) for i in range(nw)]
-        if request.state in (RequestState.FINISHED, RequestState.FAILED):
-            return [0] * nw
-        n = request.context_len
-        final = n if prefill_only else request.max_kv_tokens
-        size = n if chunk is None else min(chunk, n)
-        reg = None if self._reuse and not use_reuse else self._registration(request, size)
-        return [self._peak_new(request, i, size, reg, final) for i in range(nw)]
-
-    def _peak_new(
-        self, request: Request, i: int, size: int, reg: _Registration | None, final: int
-    ) -> int:
-        """Free blocks a request not registered yet takes from window ``i`` until it holds
-        ``final`` tokens, its prompt prefilled in chunks of at most ``size`` tokens; ``reg``
-        is its registration now, ``None`` for the bound over every reused prefix."""
-        tpb = self._tpb
-        n = request.context_len
-        if not self._releasing[i]:
-            if reg is None:
-                return _ceil_div(final, tpb)
-            return reg.cost[i] + max(0, _ceil_div(final, tpb) - _ceil_div(reg.first_end, tpb))
-        keep = self._keep[i]
-        if reg is None:
-            start, front, later = 0, 0, size < n
-            peak = self._first_chunk_bound(n, size, i)
-        else:
-            start, front, later = reg.reused, reg.front[i], reg.first_end < n
-            # Holding every position of the first chunk: what it takes plus the reused
-            # blocks that running requests hold (their release credits become shared).
-            peak = max(reg.cost[i], _ceil_div(reg.first_end, tpb) - front)
-        if later:  # later chunks start after the first chunk's first token
-            peak = max(peak, _prefill_peak(start + 1, n, size, keep=keep, tpb=tpb, front=front))
-        if final > n:
-            peak = max(
-                peak,
-                peak_live_blocks(n + 1, final, keep=keep, tokens_per_block=tpb, front=front),
+        if request.request_id in self._running:
+            return self.get_remaining_blocks_for(
+                [request], chunk_size=chunk, prefill_only=prefill_only
             )
-        return peak
-
-    def _remaining_registered(self, seq: _SeqState, i: int, chunk: int | None, final: int) -> int:
-        tpb = self._tpb
-        keep = self._keep[i]
-        n, front, ctx = seq.kv_len, seq.front[i], seq.context_len
-        live = _ceil_div(n, tpb) - front
-        if n < ctx:
-            size = ctx - n if chunk is None else min(chunk, ctx - n)
-            peak = _prefill_peak(n, ctx, size, keep=keep, tpb=tpb, front=front)
-            if final > ctx:
-                peak = max(
-                    peak,
-                    peak_live_blocks(ctx + 1, final, keep=keep, tokens_per_block=tpb, front=front),
-                )
-            return max(0, peak - live)
-        if final <= n:
-            return 0
-        peak = peak_live_blocks(n + 1, final, keep=keep, tokens_per_block=tpb, front=front)
-        return max(0, peak - live)
-
-    # --- holdings of shareable blocks
-
-    def _add_holdings(self, seq: _SeqState, start: list[int] | None = None) -> None:
-        """Counts ``seq`` as a holder of its context blocks (from ``start`` per window)."""
-        for i, ids in enumerate(seq.ids):
-            if ids is None:
-                continue
-            holders = self._holders[i]
-            for j in range(seq.front[i] if start is None else start[i], len(ids)):
-                b = ids[j]
-                c = holders.get(b, 0)
-                holders[b] = c + 1
-                if c:
-                    self._shared[i] += 1
-
-    def _release_holding(self, i: int, block: int) -> None:
-        holders = self._holders[i]
-        c = holders[block]
-        if c == 1:
-            del holders[block]
-        else:
-            holders[block] = c - 1
-            self._shared[i] -= 1
-
-    def _drop_holdings(self, seq: _SeqState) -> None:
-        for i, ids in enumerate(seq.ids):
-            if ids is not None:
-                for j in range(seq.front[i], len(ids)):
-                    self._release_holding(i, ids[j])
-
-    def _advance_front(self, seq: _SeqState, num_tokens: int) -> None:
-        """Records the releases of a sequence that reached ``num_tokens`` tokens."""
-        for i, keep in enumerate(self._keep):
-            released = _released(num_tokens, keep, self._tpb)
-            if released > seq.front[i]:
-                ids = seq.ids[i]
-                if ids is not None:
-                    for j in range(seq.front[i], min(released, len(ids))):
-                        self._release_holding(i, ids[j])
-                seq.front[i] = released
+        if request.state in _DONE:
+            return [0] * len(self._windows)
+        remaining = self._manager.get_prompt_remaining_blocks(
+            self._prompt(request),
+            request.max_kv_tokens,
+            chunk_size=chunk,
+            use_reuse=use_reuse,
+            prefill_only=prefill_only,
+        )
+        return [int(n) for n in remaining]
 
     # --- mutations
 
@@ -1209,60 +749,32 @@ class KVCacheResourceManager:
                 f"request {request.request_id}: prompt {request.prompt_len} + max_new_tokens "
                 f"{request.max_new_tokens} - 1 exceeds max_seq_len {self._max_seq_len}"
             )
-        n = len(tokens)
-        prefill = None if chunk >= n else chunk
+        prefill = None if chunk >= len(tokens) else chunk
         reused = int(
             self._manager.add_sequence(
-                request.request_id,
-                tokens,
-                priority=request.priority,
-                prefill=prefill,
+                request.request_id, tokens, priority=request.priority, prefill=prefill
             )
         )
         self._prepared.pop(request.request_id, None)
-        first = n if prefill is None else min(n, reused + prefill)
-        # With reuse, a sliding window gets no block before reused - window.
-        front = [max(0, reused - w) // self._tpb for w in self._windows]
-        ids: list[list[int] | None] = [None] * len(self._windows)
-        if self._reuse:
-            for i, w in enumerate(self._windows):
-                if self._releasing[i]:
-                    ids[i] = list(self._manager.get_cache_block_ids(request.request_id, w))
-        seq = _SeqState(kv_len=first, hwm=first, context_len=n, front=front, ids=ids)
-        self._add_holdings(seq)
-        self._seqs[request.request_id] = seq
+        self._running[request.request_id] = request
         request.reused_tokens = reused
         request.context_position = reused
         request.state = RequestState.CONTEXT
 
-    def _prefill(self, prefills: list[tuple[Request, int]]) -> None:
-        """The step's later chunks, in one native call."""
-        self._manager.prefill([r.request_id for r, _ in prefills], [chunk for _, chunk in prefills])
-        for request, chunk in prefills:
-            seq = self._seqs[request.request_id]
-            n = seq.kv_len
-            self._advance_front(seq, n + 1)  # released before the chunk's blocks came
-            seq.kv_len = seq.hwm = n + chunk
-            start = [0 if ids is None else len(ids) for ids in seq.ids]
-            for i, ids in enumerate(seq.ids):
-                if ids is not None:
-                    blocks = self._manager.get_cache_block_ids(request.request_id, self._windows[i])
-                    ids.extend(int(b) for b in blocks[len(ids) :])
-            self._add_holdings(seq, start)
-
     def _check_prefill(self, request: Request) -> None:
-        seq = self._seqs[request.request_id]
-        if request.state is not RequestState.CONTEXT or seq.kv_len >= seq.context_len:
+        rid = request.request_id
+        kv = int(self._manager.num_tokens(rid))
+        context = int(self._manager.prompt_length(rid))
+        if request.state is not RequestState.CONTEXT or kv >= context:
             raise ValueError(
-                f"request {request.request_id}: no prompt tokens left to prefill (state "
-                f"{request.state.value}, {seq.kv_len} of {seq.context_len} context tokens "
-                "cached)"
+                f"request {rid}: no prompt tokens left to prefill (state "
+                f"{request.state.value}, {kv} of {context} context tokens cached)"
             )
-        if request.context_position != seq.kv_len:
+        if request.context_position != kv:
             raise ValueError(
-                f"request {request.request_id}: context_position is "
-                f"{request.context_position} but the cache holds {seq.kv_len} of its "
-                f"{seq.context_len} context tokens (call update_resources after every step)"
+                f"request {rid}: context_position is {request.context_position} but the cache "
+                f"holds {kv} of its {context} context tokens (call update_resources after every "
+                "step)"
             )
 
     def _check_step_fits(
@@ -1270,7 +782,7 @@ class KVCacheResourceManager:
     ) -> None:
         """Raises ``OutOfBlocksError`` unless every window holds the step's generation
         tokens and then its prefill chunks (see :meth:`get_needed_blocks_for_step`)."""
-        needs = dict(zip(self._windows, self._step_total(gen, chunks), strict=True))
+        needs = dict(zip(self._windows, self._step_needs(gen, chunks), strict=True))
         if self._manager.can_allocate(needs):
             return
         free = {w: int(self._manager.get_num_free_blocks(w)) for w in self._windows}
@@ -1286,35 +798,37 @@ class KVCacheResourceManager:
             f"borrow its share alone ({free} free), but not all at once"
         )
 
-    def _check_context_step(self, request: Request, seq: _SeqState) -> None:
-        done = seq.kv_len >= seq.context_len
+    def _check_context_step(self, request: Request) -> None:
+        rid = request.request_id
+        kv = int(self._manager.num_tokens(rid))
+        context = int(self._manager.prompt_length(rid))
+        done = kv >= context
         if request.state is RequestState.CONTEXT and done:
             raise ValueError(
-                f"request {request.request_id}: this step's chunk ended its prompt; append "
+                f"request {rid}: this step's chunk ended its prompt; append "
                 "its first generated token before update_resources"
             )
         if request.state is not RequestState.CONTEXT and not done:
             raise ValueError(
-                f"request {request.request_id}: a token was appended after a chunk that did "
-                f"not end its prompt ({seq.kv_len} of {seq.context_len} context tokens cached; "
+                f"request {rid}: a token was appended after a chunk that did "
+                f"not end its prompt ({kv} of {context} context tokens cached; "
                 "see ScheduledBatch.is_last_chunk)"
             )
 
     def _check_generation(self, request: Request, num_draft: int) -> None:
-        seq = self._seqs.get(request.request_id)
-        if seq is None or request.state is not RequestState.GENERATION:
+        rid = request.request_id
+        if rid not in self._running or request.state is not RequestState.GENERATION:
+            raise ValueError(f"request {rid}: not in generation (state {request.state.value})")
+        kv = int(self._manager.num_tokens(rid))
+        if kv != request.num_tokens - 1:
             raise ValueError(
-                f"request {request.request_id}: not in generation (state {request.state.value})"
-            )
-        if seq.kv_len != request.num_tokens - 1:
-            raise ValueError(
-                f"request {request.request_id}: the cache holds {seq.kv_len} tokens but the "
-                f"request has {request.num_tokens} (expected one more: the newest token)"
+                f"request {rid}: the cache holds {kv} tokens but the request has "
+                f"{request.num_tokens} (expected one more: the newest token)"
             )
         limit = self.num_draft_tokens_for(request)
         if num_draft > limit:
             raise ValueError(
-                f"request {request.request_id}: {num_draft} draft tokens, at most {limit} "
+                f"request {rid}: {num_draft} draft tokens, at most {limit} "
                 f"allowed (max_draft_tokens {self._max_draft}, "
                 f"{request.remaining_new_tokens} tokens left to generate)"
             )
@@ -1335,20 +849,13 @@ class KVCacheResourceManager:
             for r in requests:
                 k = counts[id(r)]
                 grown[k] = (r, grown[k][1] + 1)
-        for r in requests:
-            seq = self._seqs[r.request_id]
-            seq.kv_len += 1
-            if seq.kv_len > seq.hwm:
-                seq.hwm = seq.kv_len
-            self._advance_front(seq, seq.hwm)
 
     def _roll_back(self, added: list[Request], grown: list[tuple[Request, int]]) -> None:
         for request, count in grown:
             self._manager.rewind(request.request_id, count)
-            self._seqs[request.request_id].kv_len -= count
         for request in reversed(added):
             self._manager.remove_sequence(request.request_id, store_for_reuse=False)
-            self._drop_holdings(self._seqs.pop(request.request_id))
+            del self._running[request.request_id]
             request.state = RequestState.WAITING if request.num_pauses == 0 else RequestState.PAUSED
             request.reused_tokens = 0
             request.context_position = 0

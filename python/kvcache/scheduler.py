@@ -64,6 +64,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.resource_manager import (
     KVCacheResourceManager,
     Request,
@@ -75,9 +76,6 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 
 #: Scheduling policies.
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
-#: Tokens per step when not given (vLLM's default ``max_num_batched_tokens``).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
 
@@ -238,11 +236,11 @@ class CapacityScheduler:
         completion (and to the extra holdings of shared blocks); admissions add theirs and
         must keep the total allocatable (:meth:`KVCacheResourceManager.can_allocate`)."""
         rm = self._rm
-        committed = {w: rm.get_num_shared_blocks(w) for w in rm.window_sizes}
-        for r in running:
-            for w, n in rm.get_remaining_blocks_per_window(r, chunk_size=self._chunk).items():
-                committed[w] += n
-        return committed
+        rest = rm.get_remaining_blocks_for(running, chunk_size=self._chunk) if running else None
+        return {
+            w: rm.get_num_shared_blocks(w) + (rest[i] if rest else 0)
+            for i, w in enumerate(rm.window_sizes)
+        }
 
     def _fit_running(
         self, running: list[Request], plan: list[tuple[Request, int]], out: SchedulerOutput
@@ -253,7 +251,7 @@ class CapacityScheduler:
         rm = self._rm
         windows = rm.window_sizes
         while True:
-            total = rm.get_needed_blocks_for_step(self._batch(plan))
+            total = dict(zip(windows, self._plan_needs(plan), strict=True))
             if not running or rm.can_allocate(total):
                 break
             victim = running.pop()  # the newest running request
@@ -263,15 +261,19 @@ class CapacityScheduler:
         prefilling = [r for r in running if r.state is RequestState.CONTEXT]
         if prefilling:
             decodes = [(r, t) for r, t in plan if r.state is RequestState.GENERATION]
-            reserve = rm.get_needed_blocks_for_step(self._batch(decodes))
-            for r in prefilling:
-                rest = rm.get_remaining_blocks_per_window(
-                    r, chunk_size=self._chunk, prefill_only=True
-                )
-                for w in windows:
-                    reserve[w] += rest[w]
-            total = {w: max(total[w], reserve[w]) for w in windows}
+            reserve = self._plan_needs(decodes)
+            rest = rm.get_remaining_blocks_for(
+                prefilling, chunk_size=self._chunk, prefill_only=True
+            )
+            total = {w: max(total[w], reserve[i] + rest[i]) for i, w in enumerate(windows)}
         return total
+
+    def _plan_needs(self, plan: list[tuple[Request, int]]) -> list[int]:
+        """Blocks per window the planned step takes (see
+        :meth:`KVCacheResourceManager.get_needed_blocks_for_step`)."""
+        gen = [(r, t - 1) for r, t in plan if r.state is RequestState.GENERATION]
+        chunks = [(r, t) for r, t in plan if r.state is RequestState.CONTEXT]
+        return self._rm.get_needed_blocks_for_plan(gen, chunks)
 
     @staticmethod
     def _batch(plan: list[tuple[Request, int]]) -> ScheduledBatch:

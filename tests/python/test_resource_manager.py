@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvcache import NULL_BLOCK, KvCacheConfig, ModelConfig, OutOfBlocksError
+from kvcache import _core as block_math
 from kvcache.resource_manager import (
     KVCacheResourceManager,
     Request,
     RequestState,
     ScheduledBatch,
-    _prefill_peak,
     peak_live_blocks,
 )
 
@@ -470,8 +470,8 @@ def test_prefill_peak_is_the_worst_chunking(tpb: int, keep: int) -> None:
         for front in range(2):
             for start in range(front * tpb, 24, 3):
                 for end in range(start + 1, 40, 4):
-                    assert _prefill_peak(
-                        start, end, chunk, keep=keep, tpb=tpb, front=front
+                    assert block_math.prefill_peak(
+                        start, end, chunk, keep, tpb, front
                     ) == _brute_prefill_peak(start, end, chunk, keep, tpb, front), (
                         start,
                         end,

@@ -1,0 +1,234 @@
+"""Requests as the KV cache layer sees them, and the batch of one engine step.
+
+:class:`Request` carries a request's tokens and progress, :class:`RequestState` where it is in
+its life, and :class:`ScheduledBatch` the requests of one step with their chunk sizes and
+draft counts. :mod:`kvcache.resource_manager` gives them blocks; :mod:`kvcache.scheduler`
+chooses them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Request", "RequestState", "ScheduledBatch"]
+
+
+class RequestState(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    """Not scheduled yet (or paused and waiting to resume); holds no blocks."""
+    CONTEXT = "context"
+    """Its prompt is being processed (possibly in chunks); holds blocks."""
+    GENERATION = "generation"
+    """Generating tokens; holds blocks."""
+    PAUSED = "paused"
+    """Was running, was freed by the scheduler, resumes later with nothing lost."""
+    FINISHED = "finished"
+    """Generated ``max_new_tokens`` tokens."""
+    FAILED = "failed"
+    """Can never fit (longer than ``max_seq_len`` or than a window's whole pool)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One inference request as the KV cache layer sees it.
+
+    Args:
+        request_id: Unique id (also the manager's sequence id).
+        prompt: Prompt token ids (non-empty, non-negative).
+        max_new_tokens: Tokens to generate (> 0).
+        generated: Tokens generated so far (kept when the request is paused).
+        lora_task_id: LoRA adapter id (part of the reuse key).
+        cache_salt: Cache salt (part of the reuse key).
+        multimodal: ``(content_hash, start, length)`` items (part of the reuse key).
+        priority: Retention priority 0..100 for this request's blocks.
+        arrival: Engine step at which the request arrives (for simulations).
+
+    Attributes:
+        state: See :class:`RequestState`.
+        context_position: Prompt tokens (of :meth:`context_tokens`) already in the cache: 0
+            before the first chunk, then the reused prefix plus the chunks run so far
+            (:meth:`KVCacheResourceManager.prepare_resources` sets it to the reused prefix
+            when it registers the prompt; ``update_resources`` advances it).
+        draft_tokens: Draft tokens proposed for the next step (speculative decoding).
+        rewind_len: Draft tokens the engine rejected in the last step; consumed by
+            :meth:`KVCacheResourceManager.update_resources`.
+        reused_tokens: Prompt tokens found in the cache at the last ``add_sequence``.
+        num_pauses: Times the scheduler paused this request.
+    """
+
+    request_id: int
+    prompt: Sequence[int]
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    lora_task_id: int | None = None
+    cache_salt: str | bytes | int | None = None
+    multimodal: Sequence[tuple[bytes | int, int, int]] | None = None
+    priority: int | None = None
+    arrival: int = 0
+    state: RequestState = RequestState.WAITING
+    context_position: int = 0
+    draft_tokens: list[int] = field(default_factory=list)
+    rewind_len: int = 0
+    reused_tokens: int = 0
+    num_pauses: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.request_id, bool) or not isinstance(self.request_id, int):
+            raise ValueError(f"request_id must be an int, got {self.request_id!r}")
+        if len(self.prompt) == 0:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens <= 0
+        ):
+            raise ValueError(
+                f"request {self.request_id}: max_new_tokens must be a positive int, "
+                f"got {self.max_new_tokens!r}"
+            )
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens in the original prompt."""
+        return len(self.prompt)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far."""
+        return len(self.generated)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Tokens still to generate."""
+        return self.max_new_tokens - len(self.generated)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once ``max_new_tokens`` tokens were generated."""
+        return len(self.generated) >= self.max_new_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Most tokens this request ever holds in the cache: ``prompt + max_new - 1``."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def context_len(self) -> int:
+        """Length of :meth:`context_tokens` (prompt plus generated), without building it."""
+        return len(self.prompt) + len(self.generated)
+
+    def context_tokens(self) -> list[int]:
+        """Tokens a context step registers: the prompt plus anything generated before a pause."""
+        return [*self.prompt, *self.generated]
+
+    def append_tokens(self, tokens: Sequence[int]) -> None:
+        """Records tokens produced by the engine's step and advances the state.
+
+        Example:
+            >>> r = Request(7, prompt=[1, 2], max_new_tokens=2)
+            >>> r.append_tokens([5]); r.state, r.is_finished
+            (<RequestState.GENERATION: 'generation'>, False)
+            >>> r.append_tokens([6]); r.state
+            <RequestState.FINISHED: 'finished'>
+        """
+        if len(self.generated) + len(tokens) > self.max_new_tokens:
+            raise ValueError(
+                f"request {self.request_id}: {len(tokens)} more tokens would exceed "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        if self.state is RequestState.CONTEXT:
+            self.context_position = self.context_len
+        self.generated.extend(int(t) for t in tokens)
+        self.state = RequestState.FINISHED if self.is_finished else RequestState.GENERATION
+
+
+@dataclass
+class ScheduledBatch:
+    """The requests of one engine step.
+
+    Context entries carry the chunk of the prompt computed in this step (tokens after
+    :attr:`Request.context_position`; the first chunk registers the whole prompt with the
+    cache, and its tokens count after the reused prefix); generation entries carry the number
+    of draft tokens verified in this step.
+
+    Example:
+        >>> a = Request(1, [1, 2, 3], 4); b = Request(2, [4, 5], 4, draft_tokens=[6, 7])
+        >>> batch = ScheduledBatch()
+        >>> batch.add_context(a); batch.add_generation(b, num_draft_tokens=2)
+        >>> [r.request_id for r in batch.context_requests], batch.chunk_size(a)
+        ([1], 3)
+        >>> len(batch), batch.num_draft_tokens(b), batch.num_tokens()
+        (2, 2, 6)
+    """
+
+    context: list[tuple[Request, int]] = field(default_factory=list)
+    generation: list[tuple[Request, int]] = field(default_factory=list)
+
+    def add_context(self, request: Request, chunk_size: int | None = None) -> None:
+        """Adds a context request; ``chunk_size`` defaults to the rest of its prompt."""
+        remaining = request.context_len - request.context_position
+        size = remaining if chunk_size is None else chunk_size
+        if not 0 < size <= remaining:
+            raise ValueError(
+                f"request {request.request_id}: chunk_size must be in 1..{remaining}, got {size}"
+            )
+        self.context.append((request, size))
+
+    def add_generation(self, request: Request, num_draft_tokens: int = 0) -> None:
+        """Adds a generation request that verifies ``num_draft_tokens`` drafts this step."""
+        if num_draft_tokens < 0 or num_draft_tokens > len(request.draft_tokens):
+            raise ValueError(
+                f"request {request.request_id}: num_draft_tokens must be in "
+                f"0..{len(request.draft_tokens)} (its draft_tokens), got {num_draft_tokens}"
+            )
+        self.generation.append((request, num_draft_tokens))
+
+    @property
+    def context_requests(self) -> list[Request]:
+        """Context requests, in order."""
+        return [r for r, _ in self.context]
+
+    @property
+    def generation_requests(self) -> list[Request]:
+        """Generation requests, in order."""
+        return [r for r, _ in self.generation]
+
+    def chunk_size(self, request: Request) -> int:
+        """Prompt tokens of ``request`` processed in this step."""
+        for r, size in self.context:
+            if r is request:
+                return size
+        raise KeyError(request.request_id)
+
+    def is_last_chunk(self, request: Request) -> bool:
+        """True if ``request``'s chunk in this step ends its context, so that the step
+        produces its first generated token.
+
+        Exact once :meth:`KVCacheResourceManager.prepare_resources` ran: that call counts the
+        reused prefix of a new request as processed (and shortens a first chunk that would
+        run past the prompt), so a reuse hit can make a chunk the last one.
+        """
+        return request.context_position + self.chunk_size(request) >= request.context_len
+
+    def num_draft_tokens(self, request: Request) -> int:
+        """Draft tokens of ``request`` verified in this step."""
+        for r, d in self.generation:
+            if r is request:
+                return d
+        raise KeyError(request.request_id)
+
+    def num_tokens(self) -> int:
+        """Tokens the model processes in this step."""
+        return sum(s for _, s in self.context) + sum(1 + d for _, d in self.generation)
+
+    def __len__(self) -> int:
+        return len(self.context) + len(self.generation)
