@@ -31,7 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TextIO
 
-from kvcache.config import SHARE_POLICIES, KvCacheConfig, ModelConfig
+from kvcache.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    SHARE_POLICIES,
+    KvCacheConfig,
+    ModelConfig,
+)
 from kvcache.models import ModelPreset, list_models, load_model
 from kvcache.sizing import (
     blocks_per_window,
@@ -39,6 +44,7 @@ from kvcache.sizing import (
     format_size,
     max_blocks_per_sequence,
     parse_size,
+    peak_blocks_per_sequence,
     resolve_share_policy,
     window_sizes,
 )
@@ -88,6 +94,13 @@ class PlanRow:
     saved_per_sequence: int = 0
     """Bytes one sequence saves in this window by its dtype choice, against the model's own
     dtypes (``blocks_per_sequence x tokens_per_block x`` the bytes per token saved)."""
+    peak_blocks: int = 0
+    """Most blocks one ``max_seq_len``-token prompt holds in this window at any point, its
+    prefill chunks included (:func:`kvcache.sizing.peak_blocks_per_sequence`): a window with
+    fewer blocks rejects such a prompt."""
+    limited_by: str = ""
+    """What sets ``peak_blocks``: ``"window"`` (the window and drafts), ``"chunk"`` (the
+    largest prefill chunk), or ``"sequence"`` (the whole sequence is held)."""
 
 
 @dataclass(frozen=True)
@@ -112,14 +125,24 @@ def make_plan(
     tokens_per_block: int = 32,
     policies: Sequence[str | Sequence[float]] = SHARE_POLICIES,
     kv_cache_dtype: str | Mapping[int | str | None, str] | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_chunk_size: int | None = None,
+    chunked_prefill: bool = True,
+    max_draft_tokens: int = 0,
 ) -> dict[str, Any]:
     """Blocks, tokens and maximum concurrent sequences per window under each share policy.
 
-    A sequence of ``max_seq_len`` tokens needs
-    :func:`kvcache.sizing.max_blocks_per_sequence` blocks in each window; the concurrency of
-    a policy is the minimum over windows of ``blocks // blocks_per_sequence``. The same
-    budget with every layer at full attention is given as the baseline. Each row shows the
-    window's dtype and head size; with ``kv_cache_dtype`` (see
+    A sequence of ``max_seq_len`` tokens holds
+    :func:`kvcache.sizing.max_blocks_per_sequence` blocks of each window while it decodes,
+    and at most :func:`kvcache.sizing.peak_blocks_per_sequence` (``peak_blocks``) at any
+    point, its prompt prefilled in chunks as the scheduler cuts them: at most
+    ``min(max_chunk_size, max_num_batched_tokens)`` tokens (whole prompts without
+    ``chunked_prefill``). A window with fewer blocks than that peak rejects such a prompt, so
+    the concurrency of a policy is, over windows, the minimum of ``0`` if ``blocks <
+    peak_blocks`` else ``1 + (blocks - peak_blocks) // blocks_per_sequence`` (one sequence
+    prefilling, the others decoding). The ``"auto"`` policy gives every window at least its
+    peak. The same budget with every layer at full attention is given as the baseline. Each
+    row shows the window's dtype and head size; with ``kv_cache_dtype`` (see
     :attr:`KvCacheConfig.kv_cache_dtype`) each row also says what one sequence saves in that
     window against the model's own dtypes, and each policy the concurrency it had at them.
 
@@ -130,6 +153,10 @@ def make_plan(
         tokens_per_block: Block size.
         policies: Share policies to compare (names or per-window share lists).
         kv_cache_dtype: KV dtype per window kind or window size, overriding the model's.
+        max_num_batched_tokens: Tokens per engine step (the scheduler's default: 8,192).
+        max_chunk_size: Most tokens of one prefill chunk (``None``: the step's budget).
+        chunked_prefill: Prompts prefilled in chunks (default) or whole.
+        max_draft_tokens: Draft tokens sliding windows keep beyond the window.
 
     Returns:
         ``{"policies": [PolicyPlan, ...], "full_attention": PolicyPlan, "model": preset,
@@ -143,10 +170,13 @@ def make_plan(
     Example:
         >>> plan = make_plan(load_model("gemma-3-27b"), 80 * 2**30, 32768)
         >>> [(p.policy, p.max_sequences) for p in plan["policies"]]
-        [('equal', 16), ('proportional', 26), ('auto', 27)]
+        [('equal', 16), ('proportional', 26), ('auto', AUTO)]
         >>> plan["full_attention"].max_sequences
         5
     """
+    caps = [c for c in (max_chunk_size, max_num_batched_tokens) if c is not None]
+    chunk = min(caps) if chunked_prefill else None
+    settings = _PlanSettings(max_seq_len, chunk, max_draft_tokens, chunked_prefill)
     out: list[PolicyPlan] = []
     for policy in policies:
         name = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
@@ -155,10 +185,11 @@ def make_plan(
             window_size_shares=policy,
             kv_cache_dtype=kv_cache_dtype,
         )
-        plan = _policy_plan(preset, config, name, memory_bytes, max_seq_len)
+        config = dataclasses.replace(config, max_num_batched_tokens=chunk or max_seq_len)
+        plan = _policy_plan(preset, config, name, memory_bytes, settings)
         if kv_cache_dtype is not None:
             own = dataclasses.replace(config, kv_cache_dtype=None)
-            at_model = _policy_plan(preset, own, name, memory_bytes, max_seq_len)
+            at_model = _policy_plan(preset, own, name, memory_bytes, settings)
             plan = dataclasses.replace(plan, model_dtype_max_sequences=at_model.max_sequences)
         out.append(plan)
     # One window: the share is 1 whatever the policy; "equal" keeps the environment out. A
@@ -168,7 +199,7 @@ def make_plan(
         window_size_shares="equal",
         kv_cache_dtype=_full_attention_dtype(kv_cache_dtype),
     )
-    baseline = _policy_plan(preset, full, "all layers full attention", memory_bytes, max_seq_len)
+    baseline = _policy_plan(preset, full, "all layers full attention", memory_bytes, settings)
     return {
         "model": preset,
         "memory_bytes": memory_bytes,
@@ -177,7 +208,19 @@ def make_plan(
         "policies": out,
         "full_attention": baseline,
         "kv_cache_dtype": _dtype_text(kv_cache_dtype),
+        "chunk_size": chunk,
+        "max_draft_tokens": max_draft_tokens,
     }
+
+
+@dataclass(frozen=True)
+class _PlanSettings:
+    """What a plan's per-sequence block counts depend on besides the window."""
+
+    max_seq_len: int
+    chunk: int | None
+    max_draft_tokens: int
+    chunked_prefill: bool
 
 
 def _full_attention_dtype(
@@ -204,13 +247,15 @@ def _joined(values: Sequence[object]) -> str:
 
 
 def _policy_plan(
-    preset: ModelPreset, config: KvCacheConfig, name: str, memory: int, max_seq_len: int
+    preset: ModelPreset, config: KvCacheConfig, name: str, memory: int, settings: _PlanSettings
 ) -> PolicyPlan:
     tpb = config.tokens_per_block
     model = preset.model
+    max_seq_len = settings.max_seq_len
+    drafts = settings.max_draft_tokens
     bpt = bytes_per_token(model, config, max_seq_len)
     try:
-        blocks = blocks_per_window(model, config, max_seq_len, memory)
+        blocks = blocks_per_window(model, config, max_seq_len, memory, max_draft_tokens=drafts)
     except ValueError:
         if len(bpt) > 1 or memory >= next(iter(bpt.values())) * tpb:
             raise
@@ -222,7 +267,12 @@ def _policy_plan(
     total_bytes = max(1, sum(blocks[w][0] * bpt[w] * tpb for w in blocks))
     rows = []
     for w, (primary, _) in blocks.items():
-        per_seq = max_blocks_per_sequence(max_seq_len, w, tpb)
+        per_seq = max_blocks_per_sequence(max_seq_len, w, tpb, drafts)
+        peak = peak_blocks_per_sequence(
+            max_seq_len, w, tpb, max_draft_tokens=drafts, chunk_size=settings.chunk
+        )
+        whole = -(-max_seq_len // tpb)
+        limited_by = "sequence" if peak >= whole else "chunk" if peak > per_seq else "window"
         layers = [i for i, lw in enumerate(layer_windows) if lw == w]
         rows.append(
             PlanRow(
@@ -233,10 +283,12 @@ def _policy_plan(
                 blocks=primary,
                 tokens=primary * tpb,
                 blocks_per_sequence=per_seq,
-                max_sequences=primary // per_seq,
+                max_sequences=0 if primary < peak else 1 + (primary - peak) // per_seq,
                 dtype=_joined([dtypes[i] for i in layers]),
                 head_dim=_joined([head_dims[i] for i in layers]),
                 saved_per_sequence=per_seq * tpb * (own_bpt[w] - bpt[w]),
+                peak_blocks=peak,
+                limited_by=limited_by,
             )
         )
     limiting = min(rows, key=lambda r: (r.max_sequences, r.window))
@@ -263,8 +315,8 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
         print(f"note: {n:,} tokens exceed the model's context of {preset.max_context:,}", file=out)
     header = (
         f"  {'window':>7} {'layers':>6} {'dtype':>14} {'head':>7} {'B/token':>10} {'share':>7} "
-        f"{'blocks':>10} {'tokens':>13} {'blk/seq':>8} {'max seqs':>9}"
-        + (f" {'saves/seq':>10}" if choice else "")
+        f"{'blocks':>10} {'tokens':>13} {'blk/seq':>8} {'peak/seq':>9} {'set by':>8} "
+        f"{'max seqs':>9}" + (f" {'saves/seq':>10}" if choice else "")
     )
     baseline: PolicyPlan = plan["full_attention"]
     for p in [*plan["policies"], baseline]:
@@ -276,7 +328,7 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
                 f"  {r.window:>7,} {r.layers:>6} {r.dtype:>14} {r.head_dim:>7} "
                 f"{r.bytes_per_token:>10,} {r.share:>7.1%} "
                 f"{r.blocks:>10,} {r.tokens:>13,} {r.blocks_per_sequence:>8,} "
-                f"{r.max_sequences:>9,}"
+                f"{r.peak_blocks:>9,} {r.limited_by:>8} {r.max_sequences:>9,}"
                 + (f" {format_size(r.saved_per_sequence):>10}" if choice else ""),
                 file=out,
             )
@@ -290,15 +342,18 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
             short = next(r for r in p.rows if r.window == p.limiting_window)
             print(
                 f"  -> fits no sequence of {n:,} tokens: window {short.window:,} has "
-                f"{short.blocks:,} blocks, one sequence needs {short.blocks_per_sequence:,}",
+                f"{short.blocks:,} blocks, one {n:,}-token prompt needs {short.peak_blocks:,} "
+                f"(set by the {short.limited_by})",
                 file=out,
             )
     print(file=out)
-    smallest = plan["policies"][0].rows[0].window  # rows are in ascending window order
+    chunk = plan.get("chunk_size")
+    how = f"in chunks of at most {chunk:,} tokens" if chunk else "whole (no chunked prefill)"
     print(
-        f"note: these are decode-time figures. A prompt is registered in every window at once,\n"
-        f"      so a {n:,}-token prompt holds {-(-n // plan['tokens_per_block']):,} blocks in "
-        f"window {smallest:,} too until its first generated token.",
+        f"note: blk/seq is what a {n:,}-token sequence holds while decoding; peak/seq the most\n"
+        f"      it holds, its prompt prefilled {how}\n"
+        "      (set by: the window, the chunk or the whole sequence). max seqs: one sequence\n"
+        "      at its peak, the others decoding.",
         file=out,
     )
     print(file=out)
@@ -345,6 +400,8 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
         "max_seq_len": plan["max_seq_len"],
         "tokens_per_block": plan["tokens_per_block"],
         "kv_cache_dtype": plan.get("kv_cache_dtype"),
+        "chunk_size": plan.get("chunk_size"),
+        "max_draft_tokens": plan.get("max_draft_tokens"),
         "policies": [policy(p) for p in plan["policies"]],
         "full_attention": policy(plan["full_attention"]),
     }
@@ -405,6 +462,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         tokens_per_block=tpb,
         policies=policies,
         kv_cache_dtype=dtype_choice,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_chunk_size=args.max_chunk_size,
+        chunked_prefill=not args.no_chunked_prefill,
+        max_draft_tokens=args.max_draft_tokens,
     )
     if env_var:
         plan["policies"] = [
@@ -504,6 +565,7 @@ def _int_in(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
 
 
 _positive_int32 = _int_in(1, _INT32_MAX, "the core stores it as a 32-bit integer")
+_non_negative_int32 = _int_in(0, _INT32_MAX, "the core stores it as a 32-bit integer")
 
 
 def _size(text: str) -> int:
@@ -599,6 +661,29 @@ def _build_parser() -> argparse.ArgumentParser:
         help="KV dtype instead of the model's: one dtype (fp8), or KEY=DTYPE pairs with keys "
         "full, sliding or a window size (full=fp8,sliding=bfloat16); the plan then shows "
         "what each window's choice saves",
+    )
+    p_plan.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int32,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens per engine step, the largest prefill chunk (default 8192, the scheduler's)",
+    )
+    p_plan.add_argument(
+        "--max-chunk-size",
+        type=_positive_int32,
+        default=None,
+        help="most tokens of one prefill chunk (default: the step's token budget)",
+    )
+    p_plan.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="plan for prompts prefilled whole in one step",
+    )
+    p_plan.add_argument(
+        "--max-draft-tokens",
+        type=_non_negative_int32,
+        default=0,
+        help="draft tokens per step (speculative decoding): sliding windows keep them too",
     )
     p_plan.add_argument("--json", action="store_true", help="print JSON")
     p_plan.set_defaults(func=_cmd_plan)

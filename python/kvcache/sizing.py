@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from kvcache import _core as _block_math
 from kvcache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
@@ -45,6 +46,7 @@ __all__ = [
     "format_size",
     "max_blocks_per_sequence",
     "parse_size",
+    "peak_blocks_per_sequence",
     "resolve_share_policy",
     "window_size_shares",
     "window_sizes",
@@ -254,9 +256,9 @@ def _share_fractions(
         tpb = _positive("tokens_per_block", tokens_per_block)
         draft = _non_negative("max_draft_tokens", max_draft_tokens)
         if max_batch_size is None:
-            weights = [
-                Fraction(_live_blocks(w + draft, seq_len, tpb) * tpb * bpt[w]) for w in windows
-            ]
+            weights = _auto_weights_alone(
+                bpt, seq_len, tpb, draft, max_num_batched_tokens, primary_bytes
+            )
         else:
             demand = auto_demand_tokens(
                 windows,
@@ -279,10 +281,78 @@ def _share_fractions(
     return {w: x / total for w, x in zip(windows, weights, strict=True)}
 
 
-def _live_blocks(keep: int, seq_len: int, tpb: int) -> int:
-    """Most blocks one decoding sequence of ``seq_len`` tokens holds in a window that keeps
-    ``keep`` tokens: ``min(ceil((keep - 1) / tpb) + 1, ceil(seq_len / tpb))``."""
-    return min(-(-(keep - 1) // tpb) + 1, -(-seq_len // tpb))
+def peak_blocks_per_sequence(
+    seq_len: int,
+    window: int,
+    tokens_per_block: int,
+    *,
+    max_draft_tokens: int = 0,
+    chunk_size: int | None = None,
+) -> int:
+    """Most blocks one sequence whose prompt is ``seq_len`` tokens holds in a window at any
+    point of its life, prefilled in chunks of at most ``chunk_size`` tokens (``None``: whole),
+    with nothing reused: what the manager needs free in that window to admit and run it
+    alone. The native core computes it (``kvcache._core.blocks_to_run_alone``),
+    with the rule its ``add_sequence``, ``prefill`` and ``add_tokens`` follow.
+
+    A sliding window holds at most ``ceil((K + C - 1) / tokens_per_block) + 1`` blocks while
+    chunks of ``C`` tokens are prefilled (``K = window + max_draft_tokens``), and the whole
+    prompt when it is prefilled in one chunk; full attention holds the whole sequence.
+
+    Args:
+        seq_len: Tokens of the prompt (> 0).
+        window: Attention window (> 0; ``>= seq_len``: nothing is released).
+        tokens_per_block: Block size (> 0).
+        max_draft_tokens: Draft tokens the window keeps beyond it (>= 0).
+        chunk_size: Largest prefill chunk (> 0), ``None`` for whole prompts.
+
+    Returns:
+        The block count.
+
+    Example:
+        A 131,072-token prompt, window 128, 32-token blocks: 261 blocks in chunks of 8,192
+        tokens (``ceil((128 + 8192 - 1) / 32) + 1``), all 4,096 when prefilled whole.
+
+        >>> peak_blocks_per_sequence(131072, 128, 32, chunk_size=8192)
+        261
+        >>> peak_blocks_per_sequence(131072, 128, 32)
+        4096
+    """
+    n = _positive("seq_len", seq_len)
+    w = _positive("window", window)
+    tpb = _positive("tokens_per_block", tokens_per_block)
+    draft = _non_negative("max_draft_tokens", max_draft_tokens)
+    chunk = None if chunk_size is None else _positive("chunk_size", chunk_size)
+    keep = _block_math.window_keep(w, draft, n + 1) if w < n else _block_math.KEEP_ALL
+    return int(_block_math.blocks_to_run_alone(n, n, chunk, w, keep, tpb))
+
+
+def _auto_weights_alone(
+    bpt: Mapping[int, int],
+    seq_len: int,
+    tpb: int,
+    draft: int,
+    chunk: int,
+    primary_bytes: int | None,
+) -> list[Fraction]:
+    """``"auto"`` without ``max_batch_size``: ``n`` sequences of ``seq_len`` tokens need
+    ``peak + (n - 1) * live`` blocks of a window (one prefilling in chunks of ``chunk``, the
+    others decoding); the shares give every window the same ``n`` for ``primary_bytes``, so
+    that no window is short of what one sequence's prefill takes. Without a budget: ``live``."""
+    windows = sorted(bpt)
+    live = [max_blocks_per_sequence(seq_len, w, tpb, draft) * tpb * bpt[w] for w in windows]
+    if primary_bytes is None:
+        return [Fraction(x) for x in live]
+    peak = [
+        peak_blocks_per_sequence(seq_len, w, tpb, max_draft_tokens=draft, chunk_size=chunk)
+        * tpb
+        * bpt[w]
+        for w in windows
+    ]
+    extra = Fraction(primary_bytes - sum(peak), sum(live))  # sequences beyond the first
+    if extra <= 0:
+        return [Fraction(x) for x in peak]
+    return [p + extra * x for p, x in zip(peak, live, strict=True)]
 
 
 def auto_demand_tokens(
@@ -677,7 +747,7 @@ def max_blocks_per_sequence(
     tpb = _positive("tokens_per_block", tokens_per_block)
     if n <= keep:
         return -(-n // tpb)
-    return _live_blocks(keep, n, tpb)
+    return int(_block_math.peak_live_blocks(1, n, keep, tpb))
 
 
 # --------------------------------------------------------------------------------------
