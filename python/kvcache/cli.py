@@ -170,7 +170,7 @@ def make_plan(
     Example:
         >>> plan = make_plan(load_model("gemma-3-27b"), 80 * 2**30, 32768)
         >>> [(p.policy, p.max_sequences) for p in plan["policies"]]
-        [('equal', 16), ('proportional', 26), ('auto', AUTO)]
+        [('equal', 16), ('proportional', 18), ('auto', 26)]
         >>> plan["full_attention"].max_sequences
         5
     """

@@ -336,9 +336,11 @@ def _auto_weights_alone(
     primary_bytes: int | None,
 ) -> list[Fraction]:
     """``"auto"`` without ``max_batch_size``: ``n`` sequences of ``seq_len`` tokens need
-    ``peak + (n - 1) * live`` blocks of a window (one prefilling in chunks of ``chunk``, the
-    others decoding); the shares give every window the same ``n`` for ``primary_bytes``, so
-    that no window is short of what one sequence's prefill takes. Without a budget: ``live``."""
+    ``peak + (n - 1) * live`` blocks of a window (one prefilling in chunks of ``chunk``
+    tokens, :func:`peak_blocks_per_sequence`; the others decoding,
+    :func:`max_blocks_per_sequence`). With ``primary_bytes`` the shares give every window the
+    same ``n``, so no window is short of one sequence's prefill; without it, or when the
+    budget holds less than one peak per window, in proportion to ``live`` (or the peaks)."""
     windows = sorted(bpt)
     live = [max_blocks_per_sequence(seq_len, w, tpb, draft) * tpb * bpt[w] for w in windows]
     if primary_bytes is None:

@@ -52,12 +52,17 @@ def test_make_plan_gemma3_27b_80gib_32k() -> None:
         (32768, 10, 81920, 16384),
     ]
     assert [r.blocks_per_sequence for r in equal.rows] == [33, 1024]
-    assert [r.max_sequences for r in equal.rows] == [95, 16]
+    # One 32k prompt prefilling in 8,192-token chunks holds ceil((1024 + 8191) / 32) + 1 = 289
+    # blocks of window 1024, the others decode in 33: 1 + (3150 - 289) // 33 = 87 (decodes
+    # alone would say 3150 // 33 = 95, but the 95th prompt's prefill would not fit).
+    assert [r.peak_blocks for r in equal.rows] == [289, 1024]
+    assert [r.limited_by for r in equal.rows] == ["chunk", "sequence"]
+    assert [r.max_sequences for r in equal.rows] == [87, 16]
     assert (equal.max_sequences, equal.limiting_window) == (16, 32768)
     auto = by_policy["auto"]
-    assert [(r.blocks, r.tokens) for r in auto.rows] == [(904, 28928), (28064, 898048)]
-    assert (auto.max_sequences, auto.limiting_window) == (27, 1024)
-    assert by_policy["proportional"].max_sequences == 26
+    assert [(r.blocks, r.tokens) for r in auto.rows] == [(1123, 35936), (26924, 861568)]
+    assert (auto.max_sequences, auto.limiting_window) == (26, 1024)
+    assert by_policy["proportional"].max_sequences == 18
     full = plan["full_attention"]
     assert [(r.window, r.layers, r.blocks) for r in full.rows] == [(32768, 62, 5285)]
     assert full.max_sequences == 5
@@ -71,11 +76,11 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "primary memory 80.0 GiB (85,899,345,920 B)" in out
     for heading in ("equal:", "proportional:", "auto:", "all layers full attention:"):
         assert heading in out.splitlines()
-    assert "-> at most 27 concurrent sequences of 32,768 tokens (limited by window 1,024)" in out
+    assert "-> at most 26 concurrent sequences of 32,768 tokens (limited by window 1,024)" in out
     assert "-> at most 5 concurrent sequences of 32,768 tokens" in out
     summary = out[out.index("summary") :].splitlines()
     assert summary[1].split() == ["equal", "16", "vs", "all-full-attention:", "3.20x"]
-    assert summary[3].split() == ["auto", "27", "vs", "all-full-attention:", "5.40x"]
+    assert summary[3].split() == ["auto", "26", "vs", "all-full-attention:", "5.20x"]
     assert summary[4].split() == ["full", "attention", "5"]
 
 
@@ -97,7 +102,10 @@ def test_plan_defaults_to_max_context(capsys: pytest.CaptureFixture[str]) -> Non
     eq = data["policies"][0]
     assert eq["windows"][0]["blocks"] == 4096
     assert eq["windows"][0]["blocks_per_sequence"] == 129
-    assert eq["max_sequences"] == 31
+    # 4,096 blocks: one prompt prefilling in 8,192-token chunks holds ceil((4096 + 8191) / 32)
+    # + 1 = 385 of them, each other sequence 129: 1 + (4096 - 385) // 129 = 29.
+    assert eq["windows"][0]["peak_blocks"] == 385
+    assert eq["max_sequences"] == 29
     assert data["full_attention"]["max_sequences"] == 4
 
 
@@ -108,7 +116,13 @@ def test_plan_notes_lengths_beyond_context(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_plan_policy_that_fits_nothing_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--model", "gemma-3-27b", "--memory", "12GiB", "--max-seq-len", "131072"]
+    # 512-token chunks: window 1,024 needs ceil((1024 + 511) / 32) + 1 = 49 blocks for one
+    # 131k prompt, so "auto" fits one sequence while "equal" leaves full attention short. (At
+    # 8,192-token chunks it would need 289 blocks, 3.7 GiB, and no policy fits 12 GiB.)
+    argv = [
+        *("plan", "--model", "gemma-3-27b", "--memory", "12GiB", "--max-seq-len", "131072"),
+        *("--max-num-batched-tokens", "512"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "-> fits no sequence of 131,072 tokens: window 131,072 has 2,457 blocks" in out

@@ -17,6 +17,7 @@ from kvcache.sizing import (
     format_size,
     max_blocks_per_sequence,
     parse_size,
+    peak_blocks_per_sequence,
     resolve_share_policy,
     window_size_shares,
     window_sizes,
@@ -272,12 +273,14 @@ def test_blocks_per_window_auto_from_demand_replay() -> None:
         model, c, 4496, budget, budget // 2, expected_seq_len=2818, max_batch_size=128
     )
     assert out == {512: (8608, 4304), 4496: (11392, 5696)}
-    # without max_batch_size: the per-sequence balance, 17 blocks (ceil(511 / 32) + 1) :
-    # 89 blocks (ceil(2818 / 32))
-    assert blocks_per_window(model, c, 4496, budget, expected_seq_len=2818) == {
-        512: (20000 * 17 // 106, 0),
-        4496: (20000 * 89 // 106, 0),
-    }
+    # Without max_batch_size: n sequences need peak + (n - 1) x live blocks of each window.
+    # A 2,818-token prompt fits one 8,192-token chunk, so the sliding window holds all its
+    # ceil(2818 / 32) = 89 blocks at registration (peak), 17 (ceil(511 / 32) + 1) while
+    # decoding; full attention 89 and 89. n - 1 = (20000 - 178) // 106 = 187 in both windows.
+    # (Before the peak was counted: 20000 x 17 // 106 = 3,207 blocks, 184 sequences.)
+    out = blocks_per_window(model, c, 4496, budget, expected_seq_len=2818)
+    assert out == {512: (3268, 0), 4496: (16732, 0)}
+    assert 1 + (out[512][0] - 89) // 17 == 1 + (out[4496][0] - 89) // 89 == 188
 
 
 def test_blocks_per_window_auto_from_demand_gemma3_27b() -> None:
@@ -468,10 +471,15 @@ def test_blocks_per_window_env_shares(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_blocks_per_window_gemma3_auto_balances_concurrency() -> None:
     c = KvCacheConfig(max_attention_window=GEMMA3_PATTERN, window_size_shares="auto")
     out = blocks_per_window(GEMMA3_27B, c, 32768, primary_bytes=80 * 2**30)
-    assert out == {1024: (904, 0), 32768: (28064, 0)}
-    # both windows fit the same number of 32k-token sequences
-    assert out[1024][0] // max_blocks_per_sequence(32768, 1024, 32) == 27
-    assert out[32768][0] // max_blocks_per_sequence(32768, 32768, 32) == 27
+    assert out == {1024: (1123, 0), 32768: (26924, 0)}
+    # Both windows fit the same number of 32k-token sequences: one prefilling in chunks of
+    # 8,192 tokens (ceil((1024 + 8191) / 32) + 1 = 289 blocks of window 1024), the others
+    # decoding (33). Counting decodes alone (904 blocks, 27 sequences) left window 1024
+    # short of the prefill's peak with 27 running.
+    peak = peak_blocks_per_sequence(32768, 1024, 32, chunk_size=8192)
+    assert peak == 289
+    assert 1 + (out[1024][0] - peak) // max_blocks_per_sequence(32768, 1024, 32) == 26
+    assert out[32768][0] // max_blocks_per_sequence(32768, 32768, 32) == 26
 
 
 def test_max_tokens_caps_single_window() -> None:
@@ -597,8 +605,10 @@ def test_auto_uses_the_config_expected_seq_len() -> None:
     from_keyword = blocks_per_window(model, base, 32768, budget, expected_seq_len=2048)
     assert from_config == from_keyword
     assert from_config != blocks_per_window(model, base, 32768, budget)
-    # auto at 2048: 5 layers x (1024 + 32) : 1 layer x 2048 -> 5280 : 2048 of 64 MiB
-    assert from_config[1024][0] == 64 * 1024 * 1024 * 5280 // 7328 // (5 * 64 * 32)
+    # auto at 2048: a prompt fits one chunk, so both windows peak at 64 blocks; decoding, the
+    # sliding window keeps 33 (ceil(1023 / 32) + 1), full attention 64: 142 sequences each.
+    assert from_config == {1024: (4730, 0), 32768: (9114, 0)}
+    assert 1 + (4730 - 64) // 33 == 1 + (9114 - 64) // 64 == 142
     assert blocks_per_window(model, cfg, 32768, budget, expected_seq_len=32768) == (
         blocks_per_window(model, base, 32768, budget)
     )
