@@ -254,9 +254,6 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   borrow_.assign(window_sizes_.size(), 0);
   lendable_.assign(window_sizes_.size(), 0);
-  if (lending_) {
-    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
-  }
   check_need_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
@@ -291,6 +288,9 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       e.num_secondary_blocks = counts.secondary;
       events_->Push(std::move(e));
     }
+  }
+  if (lending_) {  // Rebalance compares victims across windows by these keys
+    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
   }
   counters_.assign(windows_.size(), WindowCounters{});
   for (std::size_t w = 0; w < windows_.size(); ++w) {

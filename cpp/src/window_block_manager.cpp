@@ -116,8 +116,11 @@ inline void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
 }
 
 void WindowBlockManager::EnableEvictionKeys(std::uint64_t* clock) {
+  KVC_CHECK(clock != nullptr, "eviction keys need a clock");
   clock_ = clock;
   stamp_.assign(static_cast<std::size_t>(num_primary_), 0);
+  // Blocks queued already get stamps in hand-out order, so their keys keep the queues' order.
+  policy_.ForEach(CacheLevel::kPrimary, [&](BlockId b) { stamp_[static_cast<std::size_t>(b)] = ++*clock_; });
 }
 
 WindowBlockManager::EvictionKey WindowBlockManager::EvictionKeyOf(BlockId b) const {

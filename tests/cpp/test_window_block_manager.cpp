@@ -179,6 +179,37 @@ TEST(WindowBlockManagerTest, SeveralReleasersOfOneBlockAreKeptForgottenAndDispla
   EXPECT_TRUE(t.wm->Releasers(b[0]).empty());
 }
 
+TEST(WindowBlockManagerTest, EvictionKeysOrderQueuedBlocksAndStampLaterReleasesLater) {
+  Twin t(false);
+  t.Prepare();  // free cached blocks: 5 (priority 10), then 1 and 2 (default priority), queued in that order
+  std::uint64_t clock = 0;
+  t.wm->EnableEvictionKeys(&clock);
+  // Blocks queued before the keys were enabled are stamped in hand-out order (after the
+  // scratch blocks, whose key is always {-1, 0}).
+  const std::vector<BlockId> order = t.FreeOrder();
+  ASSERT_EQ(order.size(), 9u);
+  EXPECT_EQ(std::vector<BlockId>(order.end() - 3, order.end()), (std::vector<BlockId>{5, 1, 2}));
+  EXPECT_EQ(clock, 9u);
+  const auto k5 = t.wm->EvictionKeyOf(5);
+  const auto k1 = t.wm->EvictionKeyOf(1);
+  const auto k2 = t.wm->EvictionKeyOf(2);
+  EXPECT_EQ(t.wm->EvictionKeyOf(order[0]).rank, -1);
+  EXPECT_EQ(t.wm->EvictionKeyOf(order[0]).stamp, 0u);
+  EXPECT_EQ(k5.rank, 2 * 10);
+  EXPECT_EQ(k1.rank, 2 * kDefaultPriority);
+  EXPECT_EQ(k2.rank, 2 * kDefaultPriority);
+  EXPECT_EQ(k5.stamp, 7u);
+  EXPECT_EQ(k1.stamp, 8u);
+  EXPECT_EQ(k2.stamp, 9u);
+  EXPECT_TRUE(k5 < k1 && k1 < k2);
+  // A block queued again goes to the back of its queue, and its key after every other.
+  t.wm->Claim(1);
+  t.wm->Release(1);
+  EXPECT_EQ(t.wm->EvictionKeyOf(1).stamp, 10u);
+  EXPECT_TRUE(k2 < t.wm->EvictionKeyOf(1));
+  EXPECT_EQ(t.FreeOrder().back(), 1);
+}
+
 TEST(WindowBlockManagerTest, ReleaseNOfAFreeBlockIsAnInternalError) {
   Twin t(false);
   std::vector<SeqId> displaced;

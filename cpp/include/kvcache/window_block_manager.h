@@ -150,7 +150,9 @@ class WindowBlockManager {
     std::uint64_t stamp = 0;
     bool operator<(const EvictionKey& o) const { return rank != o.rank ? rank < o.rank : stamp < o.stamp; }
   };
-  /// Stamps every primary block queued from now on from `clock` (shared by the windows).
+  /// Stamps every primary block queued from now on from `clock` (shared by the windows); the
+  /// blocks queued already are stamped now, in hand-out order. Without it every stamp is 0, so
+  /// keys of one rank tie whenever they were queued.
   void EnableEvictionKeys(std::uint64_t* clock);
   EvictionKey EvictionKeyOf(BlockId b) const;
   /// The slab of this window's next victim if lending it costs less than evicting a block of
