@@ -322,6 +322,14 @@ class KVCacheManager {
   void CheckInvariants() const;
 
  private:
+  // Construction (the constructor's parts).
+  /// The pools of every window (its layers of one shape share a pool, one block holds all of
+  /// them); fills layer_to_pool_ and pool_index_.
+  std::vector<std::vector<PoolLayout>> PlanPools(const ModelSpec& model, const std::vector<WindowSize>& layer_window);
+  /// Creates the windows (in one shared arena under lend_free_memory, with the eviction clock
+  /// they share), their disk tiers and pin tables, and emits their created events.
+  void MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools);
+
   struct ReusePlan {
     std::vector<NodeId> path;        // nodes of the matched full blocks
     std::int32_t full_blocks = 0;    // P: full blocks every window can serve
