@@ -429,11 +429,11 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kTakeOver:
       KVC_DCHECK(slot == kNullBlock, "takeover for an occupied position");
-      slot = wm.Grant(b, seq.id, p.priority, p.expiry_ms, /*offload=*/false, &displaced_);
+      slot = wm.Grant(b, p.priority, p.expiry_ms, /*offload=*/false, &displaced_);
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
-      slot = wm.Onboard(slot, seq.id, p.priority, p.expiry_ms, &displaced_);
+      slot = wm.Onboard(slot, p.priority, p.expiry_ms, &displaced_);
       break;
   }
   if (!displaced_.empty()) InvalidateDisplaced(seq);
@@ -447,7 +447,7 @@ void KVCacheManager::AttachFresh(Sequence& seq, std::size_t w, std::int32_t firs
   for (std::int32_t j = first; j < last;) {
     const BlockPriorityRun p = BlockPriority(seq, j, last);
     for (std::int32_t i = j; i < p.end; ++i) KVC_DCHECK(slots[i] == kNullBlock, "fresh block for an occupied position");
-    wm.AcquireN(p.end - j, seq.id, p.priority, p.expiry_ms, slots + j, &displaced_);
+    wm.AcquireN(p.end - j, p.priority, p.expiry_ms, slots + j, &displaced_);
     j = p.end;
   }
   if (!displaced_.empty()) InvalidateDisplaced(seq);

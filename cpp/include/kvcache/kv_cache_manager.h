@@ -411,7 +411,7 @@ class KVCacheManager {
   };
   /// The one door through which a cached or claimed block reaches a sequence: position `j` of
   /// `seq` in window `w` gets a block as `how` says and the block id is stored there. Writable
-  /// hand-outs go through WindowBlockManager::Grant (owner recorded, generation bumped) and
+  /// hand-outs go through WindowBlockManager::Grant (generation bumped) and
   /// invalidate every other live sequence that had released the block out of window. Returns
   /// the block.
   BlockId Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b = kNullBlock);

@@ -67,8 +67,8 @@ struct WindowReuseOptions {
   double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
-/// Owns the pools of one window and the state of each block: reference count, owner and
-/// generation (bumped at every Grant, i.e. whenever the block may be written again), the live
+/// Owns the pools of one window and the state of each block: reference count and generation
+/// (bumped at every Grant, i.e. whenever the block may be written again), the live
 /// sequences that released it out of window, retention priority, and the link to the
 /// reuse-tree node whose content it caches. Block ids are slots: primary [0, num_primary), secondary after.
 /// An unreferenced block sits in the free queues: at its priority if it caches content, in the
@@ -165,7 +165,6 @@ class WindowBlockManager {
   std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
-  SeqId Owner(BlockId b) const { return state_[b].owner; }
   std::uint32_t Generation(BlockId b) const { return state_[b].generation; }
   NodeId NodeOf(BlockId b) const { return state_[b].node; }
   int Priority(BlockId b) const { return state_[b].priority; }
@@ -173,18 +172,16 @@ class WindowBlockManager {
 
   /// The one way a block becomes writable by a sequence: takes free block `b` out of the free
   /// queues and ends its cached identity (offloaded to a secondary block when `offload` and
-  /// allowed, else dropped from the tree), then gives it one reference, owner `owner`, a new
-  /// generation, `priority` and `expiry_ms`. Every live sequence that had released `b` out of
-  /// window (its record of `b`'s content is now stale) is appended to *displaced.
-  BlockId Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
-                std::vector<SeqId>* displaced);
+  /// allowed, else dropped from the tree), then gives it one reference, a new generation,
+  /// `priority` and `expiry_ms`. Every live sequence that had released `b` out of window (its
+  /// record of `b`'s content is now stale) is appended to *displaced.
+  BlockId Grant(BlockId b, int priority, std::int64_t expiry_ms, bool offload, std::vector<SeqId>* displaced);
   /// Grant of the next free primary block (the eviction victim). Precondition: a free block.
-  BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  BlockId Acquire(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// `n` calls of Acquire in one: out[0..n) get the blocks those calls would hand out, in that
   /// order (scratch blocks in one pass, then cached victims). Throws, with nothing changed, if
   /// fewer than `n` blocks are free.
-  void AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
-                std::vector<SeqId>* displaced);
+  void AcquireN(std::int32_t n, int priority, std::int64_t expiry_ms, BlockId* out, std::vector<SeqId>* displaced);
   /// Takes a read-only reference on `b` (cached blocks may be free: they leave the free queues).
   void Claim(BlockId b);
   /// Records that cached block `b` served a reuse hit: once free it waits in a protected queue
@@ -202,10 +199,9 @@ class WindowBlockManager {
   bool HasReleasers(BlockId b) const { return state_[b].releaser >= 0; }
   /// Live sequences that released `b` out of window since its last Grant (checks and tests).
   std::vector<SeqId> Releasers(BlockId b) const;
-  /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block for
-  /// `owner` and relinks the tree node to it; releases `s`. Returns the primary block.
-  BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
-                  std::vector<SeqId>* displaced);
+  /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block and
+  /// relinks the tree node to it; releases `s`. Returns the primary block.
+  BlockId Onboard(BlockId s, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
   void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
 
@@ -231,12 +227,12 @@ class WindowBlockManager {
   /// content (appended to *displaced). Its generation is bumped. Grant and LendSlab use it.
   void Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced);
   /// Acquire's body, inlined into AcquireN's loop over cached victims.
-  BlockId TakeVictim(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  BlockId TakeVictim(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Reclaim's last step: the other sequences' records of `b`'s content end (appended to
   /// *displaced), the hit mark clears and the generation is bumped.
   void Renew(BlockId b, std::vector<SeqId>* displaced);
-  /// Grant's last step: one reference, owner, priority and expiry.
-  void Hand(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms);
+  /// Grant's last step: one reference, priority and expiry.
+  void Hand(BlockId b, int priority, std::int64_t expiry_ms);
   void ReleaseOne(BlockId b, bool to_front, SeqId released_by);  // Release, inlined into ReleaseN
   int QueuePriority(BlockId b) const;
   bool QueueProtected(BlockId b) const;
@@ -294,7 +290,6 @@ class WindowBlockManager {
     NodeId node = kNoNode;  // the tree node whose content the block caches
     std::int8_t priority = static_cast<std::int8_t>(kDefaultPriority);
     bool hit = false;            // served a reuse hit since it was linked (protected when free)
-    SeqId owner = -1;
     // A live sequence holding a record of the content (released out of window), -1: none. Nearly
     // always one at most: the others, if any, are in more_releasers_[b] (no allocation per block).
     SeqId releaser = -1;
