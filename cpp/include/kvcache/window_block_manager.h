@@ -105,20 +105,16 @@ class WindowBlockManager {
   /// and a reuse hit on a disk slot onboards it into a primary block. `tier` may be null for a
   /// backend without memory (bookkeeping only).
   void AttachTier(std::int32_t num_disk, std::shared_ptr<SecondaryTier> tier);
-  std::int32_t num_disk() const { return num_disk_; }
   /// Every block id of the window: primary, secondary, disk.
   std::int32_t num_blocks() const { return num_primary_ + num_secondary_ + num_disk_; }
   bool IsDisk(BlockId b) const { return b >= num_primary_ + num_secondary_; }
   /// Cache level reported by events: 0 primary, 1 secondary (host), 2 disk.
   int LevelOf(BlockId b) const { return IsPrimary(b) ? 0 : IsDisk(b) ? 2 : 1; }
-  std::int32_t NumFreeDisk() const { return static_cast<std::int32_t>(disk_free_.size()); }
-  std::int64_t spilled_blocks() const { return spilled_; }
 
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
 
   // Memory lending (SharedPrimary). Block ids [0, num_primary) span the whole arena; the window
   // owns the ids of its slabs, and only those are ever free or handed out.
-  bool lends() const { return slab_blocks_ > 0; }
   std::int32_t blocks_per_slab() const { return slab_blocks_; }
   /// Primary blocks the window owns now (num_primary without lending).
   std::int32_t NumOwnedPrimary() const { return owned_primary_; }
@@ -162,7 +158,6 @@ class WindowBlockManager {
   /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
   /// queue.
   void AdoptSlab(std::int32_t slab);
-  std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
   std::uint32_t Generation(BlockId b) const { return state_[b].generation; }
@@ -311,7 +306,6 @@ class WindowBlockManager {
   std::vector<BlockId> disk_free_;
   std::vector<bool> disk_in_free_;
   std::vector<unsigned char> disk_buffer_;  // one block read from disk (kept: no re-allocation)
-  std::int64_t spilled_ = 0;
 };
 
 }  // namespace kvcache
