@@ -8,10 +8,7 @@ namespace kvcache {
 void EventLog::PushLocked(KVCacheEvent event) {
   event.event_id = next_id_++;
   events_.push_back(std::move(event));
-  while (events_.size() > max_size_) {
-    events_.pop_front();
-    ++dropped_;
-  }
+  while (events_.size() > max_size_) events_.pop_front();
 }
 
 void EventLog::Push(KVCacheEvent event) {
@@ -61,11 +58,6 @@ void EventLog::WaitLocked(std::unique_lock<std::mutex>& lock, std::int64_t timeo
   } else {
     cv_.wait_until(lock, now + std::chrono::milliseconds(timeout_ms), has_event);
   }
-}
-
-std::uint64_t EventLog::num_dropped() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return dropped_;
 }
 
 }  // namespace kvcache

@@ -149,6 +149,36 @@ std::vector<SharedPrimary> PlanSharedPrimary(const std::vector<std::vector<PoolL
   return out;
 }
 
+/// blocks_per_window must name exactly `windows`, with valid block counts, and
+/// disk_blocks_per_window only windows with a host tier.
+void ValidateBlockCounts(const ManagerConfig& config, const std::vector<WindowSize>& windows) {
+  std::vector<WindowSize> given;
+  for (const auto& kv : config.blocks_per_window) given.push_back(kv.first);
+  if (given != windows) {
+    std::string want;
+    std::string got;
+    for (auto w : windows) want += (want.empty() ? "" : ", ") + std::to_string(w);
+    for (auto w : given) got += (got.empty() ? "" : ", ") + std::to_string(w);
+    ThrowInvalid("blocks_per_window keys must be the window sizes [", want, "], got [", got, "]");
+  }
+  for (const auto& [w, counts] : config.blocks_per_window) {
+    if (counts.primary <= 0) ThrowInvalid("window ", w, " needs at least one primary block, got ", counts.primary);
+    if (counts.secondary < 0) ThrowInvalid("window ", w, " has a negative secondary block count");
+  }
+  for (const auto& [w, disk] : config.disk_blocks_per_window) {
+    const auto counts = config.blocks_per_window.find(w);
+    if (counts == config.blocks_per_window.end()) ThrowInvalid("disk_blocks_per_window: ", w, " is not a window size");
+    if (disk < 0) ThrowInvalid("window ", w, " has a negative disk block count");
+    if (disk > 0 && counts->second.secondary == 0) {
+      ThrowInvalid("window ", w, " has disk blocks but no secondary blocks: blocks reach the disk tier from host "
+                   "memory, so a disk cache needs a host cache");
+    }
+    if (static_cast<std::int64_t>(disk) + counts->second.primary + counts->second.secondary > std::numeric_limits<std::int32_t>::max()) {
+      ThrowInvalid("window ", w, ": primary, secondary and disk blocks exceed 2**31 - 1 block ids");
+    }
+  }
+}
+
 }  // namespace
 
 KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& config)
@@ -174,33 +204,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   const std::set<WindowSize> distinct(layer_window.begin(), layer_window.end());
   window_sizes_.assign(distinct.begin(), distinct.end());
-
-  // blocks_per_window must name exactly these windows.
-  std::vector<WindowSize> given;
-  for (const auto& kv : config.blocks_per_window) given.push_back(kv.first);
-  if (given != window_sizes_) {
-    std::string want;
-    std::string got;
-    for (auto w : window_sizes_) want += (want.empty() ? "" : ", ") + std::to_string(w);
-    for (auto w : given) got += (got.empty() ? "" : ", ") + std::to_string(w);
-    ThrowInvalid("blocks_per_window keys must be the window sizes [", want, "], got [", got, "]");
-  }
-  for (const auto& [w, counts] : config.blocks_per_window) {
-    if (counts.primary <= 0) ThrowInvalid("window ", w, " needs at least one primary block, got ", counts.primary);
-    if (counts.secondary < 0) ThrowInvalid("window ", w, " has a negative secondary block count");
-  }
-  for (const auto& [w, disk] : config.disk_blocks_per_window) {
-    const auto counts = config.blocks_per_window.find(w);
-    if (counts == config.blocks_per_window.end()) ThrowInvalid("disk_blocks_per_window: ", w, " is not a window size");
-    if (disk < 0) ThrowInvalid("window ", w, " has a negative disk block count");
-    if (disk > 0 && counts->second.secondary == 0) {
-      ThrowInvalid("window ", w, " has disk blocks but no secondary blocks: blocks reach the disk tier from host "
-                   "memory, so a disk cache needs a host cache");
-    }
-    if (static_cast<std::int64_t>(disk) + counts->second.primary + counts->second.secondary > std::numeric_limits<std::int32_t>::max()) {
-      ThrowInvalid("window ", w, ": primary, secondary and disk blocks exceed 2**31 - 1 block ids");
-    }
-  }
+  ValidateBlockCounts(config, window_sizes_);
 
   reuse_ = config.enable_block_reuse;
   partial_reuse_ = config.enable_partial_reuse;
@@ -215,6 +219,28 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
+  MakeWindows(config, PlanPools(model, layer_window));
+  borrow_.assign(window_sizes_.size(), 0);
+  lendable_.assign(window_sizes_.size(), 0);
+  check_need_.assign(window_sizes_.size(), 0);
+  check_available_.assign(window_sizes_.size(), 0);
+  batch_counted_.assign(window_sizes_.size(), 0);
+  counters_.assign(windows_.size(), WindowCounters{});
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
+    keep_.push_back(windows_[w]->is_swa() ? block_math::Keep(window_sizes_[w], max_draft_tokens_, max_seq_len_)
+                                          : block_math::kKeepAll);
+    // Full attention never releases: a base no sequence length reaches.
+    release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
+                                                  : std::numeric_limits<std::int64_t>::max() / 2);
+  }
+  bool tiers = false;  // a host tier in some window (a disk tier needs one)
+  for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
+  may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
+}
+
+std::vector<std::vector<PoolLayout>> KVCacheManager::PlanPools(const ModelSpec& model,
+                                                               const std::vector<WindowSize>& layer_window) {
   layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
   std::int32_t global_pool = 0;
   std::vector<std::vector<PoolLayout>> window_pools(window_sizes_.size());
@@ -243,6 +269,10 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       window_pools[w].push_back(std::move(kv.second));
     }
   }
+  return window_pools;
+}
+
+void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools) {
   lending_ = config.lend_free_memory && window_sizes_.size() > 1;
   std::vector<SharedPrimary> shared;
   if (lending_) {
@@ -252,14 +282,6 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     arena_.backend = backend_.get();
     for (SharedPrimary& sp : shared) sp.base = static_cast<unsigned char*>(arena_.ptr);
   }
-  borrow_.assign(window_sizes_.size(), 0);
-  lendable_.assign(window_sizes_.size(), 0);
-  if (lending_) {
-    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
-  }
-  check_need_.assign(window_sizes_.size(), 0);
-  check_available_.assign(window_sizes_.size(), 0);
-  batch_counted_.assign(window_sizes_.size(), 0);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
@@ -292,18 +314,9 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
       events_->Push(std::move(e));
     }
   }
-  counters_.assign(windows_.size(), WindowCounters{});
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
-    keep_.push_back(windows_[w]->is_swa() ? block_math::Keep(window_sizes_[w], max_draft_tokens_, max_seq_len_)
-                                          : block_math::kKeepAll);
-    // Full attention never releases: a base no sequence length reaches.
-    release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
-                                                  : std::numeric_limits<std::int64_t>::max() / 2);
+  if (lending_) {  // Rebalance compares victims across windows by these keys
+    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
   }
-  bool tiers = false;  // a host tier in some window (a disk tier needs one)
-  for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
-  may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
 }
 
 KVCacheManager::~KVCacheManager() = default;
@@ -412,11 +425,11 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       break;
     case Handout::kTakeOver:
       KVC_DCHECK(slot == kNullBlock, "takeover for an occupied position");
-      slot = wm.Grant(b, seq.id, p.priority, p.expiry_ms, /*offload=*/false, &displaced_);
+      slot = wm.Grant(b, p.priority, p.expiry_ms, /*offload=*/false, &displaced_);
       break;
     case Handout::kOnboard:
       KVC_DCHECK(!wm.IsPrimary(slot), "onboard of a position that holds no secondary block");
-      slot = wm.Onboard(slot, seq.id, p.priority, p.expiry_ms, &displaced_);
+      slot = wm.Onboard(slot, p.priority, p.expiry_ms, &displaced_);
       break;
   }
   if (!displaced_.empty()) InvalidateDisplaced(seq);
@@ -430,7 +443,7 @@ void KVCacheManager::AttachFresh(Sequence& seq, std::size_t w, std::int32_t firs
   for (std::int32_t j = first; j < last;) {
     const BlockPriorityRun p = BlockPriority(seq, j, last);
     for (std::int32_t i = j; i < p.end; ++i) KVC_DCHECK(slots[i] == kNullBlock, "fresh block for an occupied position");
-    wm.AcquireN(p.end - j, seq.id, p.priority, p.expiry_ms, slots + j, &displaced_);
+    wm.AcquireN(p.end - j, p.priority, p.expiry_ms, slots + j, &displaced_);
     j = p.end;
   }
   if (!displaced_.empty()) InvalidateDisplaced(seq);

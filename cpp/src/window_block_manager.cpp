@@ -116,8 +116,11 @@ inline void WindowBlockManager::Enqueue(BlockId b, bool to_front) {
 }
 
 void WindowBlockManager::EnableEvictionKeys(std::uint64_t* clock) {
+  KVC_CHECK(clock != nullptr, "eviction keys need a clock");
   clock_ = clock;
   stamp_.assign(static_cast<std::size_t>(num_primary_), 0);
+  // Blocks queued already get stamps in hand-out order, so their keys keep the queues' order.
+  policy_.ForEach(CacheLevel::kPrimary, [&](BlockId b) { stamp_[static_cast<std::size_t>(b)] = ++*clock_; });
 }
 
 WindowBlockManager::EvictionKey WindowBlockManager::EvictionKeyOf(BlockId b) const {
@@ -174,10 +177,9 @@ inline void WindowBlockManager::Renew(BlockId b, std::vector<SeqId>* displaced) 
   ++s.generation;
 }
 
-inline void WindowBlockManager::Hand(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms) {
+inline void WindowBlockManager::Hand(BlockId b, int priority, std::int64_t expiry_ms) {
   BlockState& s = state_[b];
   s.ref_count = 1;
-  s.owner = owner;
   s.priority = static_cast<std::int8_t>(priority);
   if (s.expiry_ms == 0 && expiry_ms != 0) timed_.push_back(b);
   s.expiry_ms = expiry_ms;
@@ -195,12 +197,12 @@ inline void WindowBlockManager::Reclaim(BlockId b, bool offload, std::vector<Seq
   Renew(b, displaced);
 }
 
-BlockId WindowBlockManager::Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
+BlockId WindowBlockManager::Grant(BlockId b, int priority, std::int64_t expiry_ms, bool offload,
                                   std::vector<SeqId>* displaced) {
   KVC_CHECK(IsPrimary(b) && state_[b].ref_count == 0 && Owns(b),
             detail::Concat("window ", window_, ": grant of block ", b, " which is not a free primary block"));
   Reclaim(b, offload, displaced);
-  Hand(b, owner, priority, expiry_ms);
+  Hand(b, priority, expiry_ms);
   return b;
 }
 
@@ -230,7 +232,6 @@ void WindowBlockManager::LendSlab(std::int32_t slab, std::vector<SeqId>* displac
   for (BlockId b = first; b < first + slab_blocks_; ++b) {
     // Evicting one block may unlink (and re-queue) others of the slab below it: still free.
     Reclaim(b, /*offload=*/true, displaced);
-    state_[b].owner = -1;
     state_[b].priority = static_cast<std::int8_t>(kDefaultPriority);
     state_[b].expiry_ms = 0;
   }
@@ -249,8 +250,7 @@ void WindowBlockManager::AdoptSlab(std::int32_t slab) {
   for (BlockId b = first; b < first + slab_blocks_; ++b) policy_.Push(b, EvictionPolicy::kScratch);
 }
 
-inline BlockId WindowBlockManager::TakeVictim(SeqId owner, int priority, std::int64_t expiry_ms,
-                                              std::vector<SeqId>* displaced) {
+inline BlockId WindowBlockManager::TakeVictim(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced) {
   // Grant(victim, offload=true) without its checks: the victim is a free primary block of this
   // window by construction.
   const BlockId b = policy_.Peek(CacheLevel::kPrimary);
@@ -258,16 +258,15 @@ inline BlockId WindowBlockManager::TakeVictim(SeqId owner, int priority, std::in
   KVC_DCHECK(state_[b].ref_count == 0 && Owns(b), "victim is not a free block of the window");
   if (state_[b].node != kNoNode) ++cached_evictions_;
   Reclaim(b, /*offload=*/true, displaced);
-  Hand(b, owner, priority, expiry_ms);
+  Hand(b, priority, expiry_ms);
   return b;
 }
 
-BlockId WindowBlockManager::Acquire(SeqId owner, int priority, std::int64_t expiry_ms,
-                                    std::vector<SeqId>* displaced) {
-  return TakeVictim(owner, priority, expiry_ms, displaced);
+BlockId WindowBlockManager::Acquire(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced) {
+  return TakeVictim(priority, expiry_ms, displaced);
 }
 
-void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
+void WindowBlockManager::AcquireN(std::int32_t n, int priority, std::int64_t expiry_ms, BlockId* out,
                                   std::vector<SeqId>* displaced) {
   KVC_CHECK(n >= 0 && n <= policy_.NumFree(CacheLevel::kPrimary),
             detail::Concat("window ", window_, " has ", policy_.NumFree(CacheLevel::kPrimary),
@@ -279,11 +278,11 @@ void WindowBlockManager::AcquireN(std::int32_t n, SeqId owner, int priority, std
     const BlockId b = out[i];
     KVC_DCHECK(state_[b].node == kNoNode && state_[b].ref_count == 0 && Owns(b), "scratch block in use or cached");
     Renew(b, displaced);
-    Hand(b, owner, priority, expiry_ms);
+    Hand(b, priority, expiry_ms);
   }
   // Then cached victims one by one: an eviction may turn other blocks into scratch blocks,
   // which go first.
-  for (std::int32_t i = k; i < n; ++i) out[i] = TakeVictim(owner, priority, expiry_ms, displaced);
+  for (std::int32_t i = k; i < n; ++i) out[i] = TakeVictim(priority, expiry_ms, displaced);
 }
 
 void WindowBlockManager::EvictCached(BlockId victim) {
@@ -408,10 +407,9 @@ std::vector<SeqId> WindowBlockManager::Releasers(BlockId b) const {
   return out;
 }
 
-BlockId WindowBlockManager::Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
-                                    std::vector<SeqId>* displaced) {
+BlockId WindowBlockManager::Onboard(BlockId s, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced) {
   KVC_CHECK(!IsPrimary(s) && state_[s].ref_count > 0, "onboard needs a claimed secondary block");
-  const BlockId p = Acquire(owner, priority, expiry_ms, displaced);
+  const BlockId p = Acquire(priority, expiry_ms, displaced);
   if (IsDisk(s)) {
     if (tier_ != nullptr && backend_->HasMemory()) {
       const std::vector<TierSegment> segments = ReadDisk(s, &disk_buffer_);

@@ -88,7 +88,6 @@ bool WindowBlockManager::SpillToDisk(BlockId s) {
   state_[d].hit = false;  // the disk tier is plain LRU; an onboard marks the hit again
   state_[s].hit = false;
   DiskQueue(d);
-  ++spilled_;
   EmitUpdated(d, std::make_pair(1, 2), std::nullopt);
   return true;
 }

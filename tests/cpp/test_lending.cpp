@@ -152,6 +152,70 @@ TEST(LendingTest, BetweenStepsAWindowThatEvictedCacheTakesAnotherWindowsCheaperS
   m.CheckInvariants();
 }
 
+TEST(LendingTest, BetweenStepsEqualPriorityCacheMovesTheSlabQueuedLongestAgo) {
+  // Window 4 owns slabs 0-2 (its ids 0..2), full attention slabs 3-4 (its ids 3, 4). Every
+  // cached block below has the default priority and no hit: only the time each was queued
+  // (the stamp of its eviction key, one clock for both windows) tells the victims apart.
+  ManagerConfig c = LendConfig({{4, 3}, {16, 2}});
+  c.enable_block_reuse = true;
+  KVCacheManager m(testing::Model(2), c);
+  auto p = Iota(8);
+  m.AddSequence(1, p.data(), p.size());  // window 4: 0 1; full: 3 4
+  ASSERT_EQ(m.GetCacheBlockIds(1, 4), (std::vector<BlockId>{0, 1}));
+  ASSERT_EQ(m.GetCacheBlockIds(1, 16), (std::vector<BlockId>{3, 4}));
+  // Both windows cache 7 tokens; window 4's blocks are queued first (1, then 0), full's after
+  // them (4, then 3).
+  m.RemoveSequence(1);
+  ASSERT_EQ(m.CachedBlockHashes(4).size(), 2u);
+  ASSERT_EQ(m.CachedBlockHashes(16).size(), 2u);
+  // Window 4 takes its scratch block 2; full has no scratch block and evicts its cached block 4.
+  auto q = Iota(4, 100);
+  m.AddSequence(2, q.data(), q.size());
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{2}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{4}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 2u);
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);
+  EXPECT_EQ(m.GetStats().lent_slabs, 0);
+  // Between steps: full evicted one cached block. Its own next victim, block 3, was queued
+  // after window 4's next victim, block 1 (same priority), so window 4's slab 1 moves.
+  m.RefreshBlocks();
+  EXPECT_EQ(m.GetStats().lent_slabs, 1);
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 2}, {16, 3}}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);  // the lent block's content is gone
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);
+  m.CheckInvariants();
+  // The next request's full-attention block is the borrowed one: full keeps block 3's prefix,
+  // and window 4 evicts block 0, its oldest left.
+  auto r = Iota(4, 200);
+  m.AddSequence(3, r.data(), r.size());
+  EXPECT_EQ(m.GetCacheBlockIds(3, 4), (std::vector<BlockId>{0}));
+  EXPECT_EQ(m.GetCacheBlockIds(3, 16), (std::vector<BlockId>{1}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 0u);
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 1u);
+  m.CheckInvariants();
+}
+
+TEST(LendingTest, BetweenStepsNoSlabMovesWhenTheOtherWindowsVictimIsNewer) {
+  // The mirror of the test above: window 4 (ids 0, 1) evicts, full attention (ids 2..4) could
+  // lend, but its cached victim was queued after window 4's own: nothing moves.
+  ManagerConfig c = LendConfig({{4, 2}, {16, 3}});
+  c.enable_block_reuse = true;
+  KVCacheManager m(testing::Model(2), c);
+  auto p = Iota(8);
+  m.AddSequence(1, p.data(), p.size());  // window 4: 0 1; full: 2 3
+  m.RemoveSequence(1);                   // queued: window 4's 1, 0, then full's 3, 2
+  auto q = Iota(4, 100);
+  m.AddSequence(2, q.data(), q.size());  // window 4 evicts block 1; full takes scratch block 4
+  EXPECT_EQ(m.GetCacheBlockIds(2, 4), (std::vector<BlockId>{1}));
+  EXPECT_EQ(m.GetCacheBlockIds(2, 16), (std::vector<BlockId>{4}));
+  m.RefreshBlocks();  // full's victim, block 3, is newer than window 4's, block 0
+  EXPECT_EQ(m.GetStats().lent_slabs, 0);
+  EXPECT_EQ(Owned(m), (std::map<WindowSize, std::int64_t>{{4, 2}, {16, 3}}));
+  EXPECT_EQ(m.CachedBlockHashes(4).size(), 1u);
+  EXPECT_EQ(m.CachedBlockHashes(16).size(), 2u);
+  m.CheckInvariants();
+}
+
 TEST(LendingTest, NothingMovesBetweenStepsUnderInvalidate) {
   ManagerConfig c = LendConfig({{4, 2}, {16, 6}});
   c.enable_block_reuse = true;

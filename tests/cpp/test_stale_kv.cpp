@@ -539,8 +539,9 @@ TEST(StaleKvRegressionTest, StoreContextBlocksAfterRewindDoesNotCacheTheBlockBei
 }
 
 // Cause 3: B got block 1 of window 4 by reuse and released it out of window; C reclaims it. The
-// block's owner is still A (its first acquirer), so B is not invalidated, and under kInvalidate
-// B then stores the rest of its chain.
+// code this was written against invalidated only the block's recorded owner, A (its first
+// acquirer), not B, so under kInvalidate B then stored the rest of its chain. Now every live
+// sequence that released the block out of window is invalidated.
 TEST(StaleKvRegressionTest, ReclaimOfAReusedOutOfWindowBlockInvalidatesItsReleaser) {
   ManagerConfig c = ReuseConfig({4, 0}, 32, {{4, 6}, {32, 16}});
   c.swa_reuse_policy = SwaReusePolicy::kInvalidate;

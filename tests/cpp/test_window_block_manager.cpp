@@ -47,7 +47,7 @@ struct Twin {
   void Prepare() {
     std::vector<SeqId> displaced;
     std::vector<BlockId> b(8);
-    wm->AcquireN(8, /*owner=*/1, kDefaultPriority, 0, b.data(), &displaced);
+    wm->AcquireN(8, kDefaultPriority, 0, b.data(), &displaced);
     wm->Link(b[1], n1);
     wm->Link(b[2], n2);
     wm->Link(b[5], n3);
@@ -78,9 +78,9 @@ TEST(WindowBlockManagerTest, AcquireNHandsOutWhatAcquireWould) {
     std::vector<SeqId> displaced_one;
     std::vector<SeqId> displaced_batch;
     std::vector<BlockId> got_one;
-    for (std::int32_t i = 0; i < n; ++i) got_one.push_back(one.wm->Acquire(2, 50, 0, &displaced_one));
+    for (std::int32_t i = 0; i < n; ++i) got_one.push_back(one.wm->Acquire(50, 0, &displaced_one));
     std::vector<BlockId> got_batch(static_cast<std::size_t>(n));
-    batch.wm->AcquireN(n, 2, 50, 0, got_batch.data(), &displaced_batch);
+    batch.wm->AcquireN(n, 50, 0, got_batch.data(), &displaced_batch);
     EXPECT_EQ(got_batch, got_one);
     EXPECT_EQ(displaced_batch, displaced_one);
     EXPECT_EQ(displaced_batch, (std::vector<SeqId>{7}));
@@ -104,7 +104,7 @@ TEST(WindowBlockManagerTest, AcquireNFailsWithNothingChanged) {
   const std::vector<BlockId> before = t.FreeOrder();
   std::vector<SeqId> displaced;
   std::vector<BlockId> out(kBlocks);
-  EXPECT_THROW(t.wm->AcquireN(t.wm->NumFreePrimary() + 1, 2, 50, 0, out.data(), &displaced), InternalError);
+  EXPECT_THROW(t.wm->AcquireN(t.wm->NumFreePrimary() + 1, 50, 0, out.data(), &displaced), InternalError);
   EXPECT_EQ(t.FreeOrder(), before);
   EXPECT_TRUE(displaced.empty());
 }
@@ -118,7 +118,7 @@ TEST(WindowBlockManagerTest, ReleaseNReturnsWhatReleaseWould) {
       for (Twin* t : {&one, &batch}) {
         std::vector<SeqId> displaced;
         std::vector<BlockId> b(8);
-        t->wm->AcquireN(8, 1, kDefaultPriority, 0, b.data(), &displaced);
+        t->wm->AcquireN(8, kDefaultPriority, 0, b.data(), &displaced);
         t->wm->Link(b[2], t->n1);  // cached: its own queue
         t->wm->Claim(b[4]);        // two holders: stays referenced
         t->wm->Release(b[6]);      // already free before the batch
@@ -145,7 +145,7 @@ TEST(WindowBlockManagerTest, ReleaseNReturnsWhatReleaseWould) {
   Twin t(false);
   std::vector<SeqId> displaced;
   std::vector<BlockId> b(8);
-  t.wm->AcquireN(8, 1, kDefaultPriority, 0, b.data(), &displaced);
+  t.wm->AcquireN(8, kDefaultPriority, 0, b.data(), &displaced);
   t.wm->Link(b[2], t.n1);
   t.wm->Claim(b[4]);
   t.wm->Release(b[6]);
@@ -158,7 +158,7 @@ TEST(WindowBlockManagerTest, SeveralReleasersOfOneBlockAreKeptForgottenAndDispla
   Twin t(true);
   std::vector<SeqId> displaced;
   std::vector<BlockId> b(1);
-  t.wm->AcquireN(1, /*owner=*/1, kDefaultPriority, 0, b.data(), &displaced);
+  t.wm->AcquireN(1, kDefaultPriority, 0, b.data(), &displaced);
   for (int i = 0; i < 4; ++i) t.wm->Claim(b[0]);  // five sequences share it
   EXPECT_FALSE(t.wm->HasReleasers(b[0]));
   for (const SeqId id : {5, 6, 7}) t.wm->Release(b[0], false, /*released_by=*/id);
@@ -173,17 +173,48 @@ TEST(WindowBlockManagerTest, SeveralReleasersOfOneBlockAreKeptForgottenAndDispla
   t.wm->Release(b[0], false, /*released_by=*/9);  // free now, with releasers 7, 8 and 9
   EXPECT_EQ(t.wm->RefCount(b[0]), 0);
   std::vector<BlockId> taken(kBlocks);
-  t.wm->AcquireN(kBlocks, /*owner=*/2, kDefaultPriority, 0, taken.data(), &displaced);
+  t.wm->AcquireN(kBlocks, kDefaultPriority, 0, taken.data(), &displaced);
   EXPECT_EQ(displaced, (std::vector<SeqId>{7, 8, 9}));  // handed out again: their records are stale
   EXPECT_FALSE(t.wm->HasReleasers(b[0]));
   EXPECT_TRUE(t.wm->Releasers(b[0]).empty());
+}
+
+TEST(WindowBlockManagerTest, EvictionKeysOrderQueuedBlocksAndStampLaterReleasesLater) {
+  Twin t(false);
+  t.Prepare();  // free cached blocks: 5 (priority 10), then 1 and 2 (default priority), queued in that order
+  std::uint64_t clock = 0;
+  t.wm->EnableEvictionKeys(&clock);
+  // Blocks queued before the keys were enabled are stamped in hand-out order (after the
+  // scratch blocks, whose key is always {-1, 0}).
+  const std::vector<BlockId> order = t.FreeOrder();
+  ASSERT_EQ(order.size(), 9u);
+  EXPECT_EQ(std::vector<BlockId>(order.end() - 3, order.end()), (std::vector<BlockId>{5, 1, 2}));
+  EXPECT_EQ(clock, 9u);
+  const auto k5 = t.wm->EvictionKeyOf(5);
+  const auto k1 = t.wm->EvictionKeyOf(1);
+  const auto k2 = t.wm->EvictionKeyOf(2);
+  EXPECT_EQ(t.wm->EvictionKeyOf(order[0]).rank, -1);
+  EXPECT_EQ(t.wm->EvictionKeyOf(order[0]).stamp, 0u);
+  EXPECT_EQ(k5.rank, 2 * 10);
+  EXPECT_EQ(k1.rank, 2 * kDefaultPriority);
+  EXPECT_EQ(k2.rank, 2 * kDefaultPriority);
+  EXPECT_EQ(k5.stamp, 7u);
+  EXPECT_EQ(k1.stamp, 8u);
+  EXPECT_EQ(k2.stamp, 9u);
+  EXPECT_TRUE(k5 < k1 && k1 < k2);
+  // A block queued again goes to the back of its queue, and its key after every other.
+  t.wm->Claim(1);
+  t.wm->Release(1);
+  EXPECT_EQ(t.wm->EvictionKeyOf(1).stamp, 10u);
+  EXPECT_TRUE(k2 < t.wm->EvictionKeyOf(1));
+  EXPECT_EQ(t.FreeOrder().back(), 1);
 }
 
 TEST(WindowBlockManagerTest, ReleaseNOfAFreeBlockIsAnInternalError) {
   Twin t(false);
   std::vector<SeqId> displaced;
   std::vector<BlockId> b(2);
-  t.wm->AcquireN(2, 1, kDefaultPriority, 0, b.data(), &displaced);
+  t.wm->AcquireN(2, kDefaultPriority, 0, b.data(), &displaced);
   t.wm->Release(b[1]);
   EXPECT_THROW(t.wm->ReleaseN(b.data(), 2, false), InternalError);
   // The block before the bad one was released and queued.

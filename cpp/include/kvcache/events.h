@@ -53,7 +53,6 @@ class EventLog {
   /// Takes every buffered event; waits up to `timeout_ms` for one if the buffer is empty (no
   /// wait for `timeout_ms <= 0`; a timeout too long for the clock waits until an event arrives).
   std::vector<KVCacheEvent> Take(std::int64_t timeout_ms);
-  std::uint64_t num_dropped() const;
 
  private:
   void PushLocked(KVCacheEvent event);
@@ -63,7 +62,6 @@ class EventLog {
   std::size_t max_size_;
   std::deque<KVCacheEvent> events_;
   std::uint64_t next_id_ = 0;
-  std::uint64_t dropped_ = 0;
   mutable std::mutex mu_;
   std::condition_variable cv_;
 };

@@ -367,6 +367,14 @@ class KVCacheManager {
   std::int32_t GetNumHeldBlocks(SeqId id, WindowSize window) const;
 
  private:
+  // Construction (the constructor's parts).
+  /// The pools of every window (its layers of one shape share a pool, one block holds all of
+  /// them); fills layer_to_pool_ and pool_index_.
+  std::vector<std::vector<PoolLayout>> PlanPools(const ModelSpec& model, const std::vector<WindowSize>& layer_window);
+  /// Creates the windows (in one shared arena under lend_free_memory, with the eviction clock
+  /// they share), their disk tiers and pin tables, and emits their created events.
+  void MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools);
+
   struct ReusePlan {
     std::vector<NodeId> path;        // nodes of the matched full blocks
     std::int32_t full_blocks = 0;    // P: full blocks every window can serve
@@ -462,7 +470,7 @@ class KVCacheManager {
   };
   /// The one door through which a cached or claimed block reaches a sequence: position `j` of
   /// `seq` in window `w` gets a block as `how` says and the block id is stored there. Writable
-  /// hand-outs go through WindowBlockManager::Grant (owner recorded, generation bumped) and
+  /// hand-outs go through WindowBlockManager::Grant (generation bumped) and
   /// invalidate every other live sequence that had released the block out of window. Returns
   /// the block.
   BlockId Attach(Sequence& seq, std::size_t w, std::int32_t j, Handout how, BlockId b = kNullBlock);

@@ -67,8 +67,8 @@ struct WindowReuseOptions {
   double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
-/// Owns the pools of one window and the state of each block: reference count, owner and
-/// generation (bumped at every Grant, i.e. whenever the block may be written again), the live
+/// Owns the pools of one window and the state of each block: reference count and generation
+/// (bumped at every Grant, i.e. whenever the block may be written again), the live
 /// sequences that released it out of window, retention priority, and the link to the
 /// reuse-tree node whose content it caches. Block ids are slots: primary [0, num_primary), secondary after.
 /// An unreferenced block sits in the free queues: at its priority if it caches content, in the
@@ -105,20 +105,16 @@ class WindowBlockManager {
   /// and a reuse hit on a disk slot onboards it into a primary block. `tier` may be null for a
   /// backend without memory (bookkeeping only).
   void AttachTier(std::int32_t num_disk, std::shared_ptr<SecondaryTier> tier);
-  std::int32_t num_disk() const { return num_disk_; }
   /// Every block id of the window: primary, secondary, disk.
   std::int32_t num_blocks() const { return num_primary_ + num_secondary_ + num_disk_; }
   bool IsDisk(BlockId b) const { return b >= num_primary_ + num_secondary_; }
   /// Cache level reported by events: 0 primary, 1 secondary (host), 2 disk.
   int LevelOf(BlockId b) const { return IsPrimary(b) ? 0 : IsDisk(b) ? 2 : 1; }
-  std::int32_t NumFreeDisk() const { return static_cast<std::int32_t>(disk_free_.size()); }
-  std::int64_t spilled_blocks() const { return spilled_; }
 
   std::int32_t NumFreePrimary() const { return policy_.NumFree(CacheLevel::kPrimary); }
 
   // Memory lending (SharedPrimary). Block ids [0, num_primary) span the whole arena; the window
   // owns the ids of its slabs, and only those are ever free or handed out.
-  bool lends() const { return slab_blocks_ > 0; }
   std::int32_t blocks_per_slab() const { return slab_blocks_; }
   /// Primary blocks the window owns now (num_primary without lending).
   std::int32_t NumOwnedPrimary() const { return owned_primary_; }
@@ -150,7 +146,9 @@ class WindowBlockManager {
     std::uint64_t stamp = 0;
     bool operator<(const EvictionKey& o) const { return rank != o.rank ? rank < o.rank : stamp < o.stamp; }
   };
-  /// Stamps every primary block queued from now on from `clock` (shared by the windows).
+  /// Stamps every primary block queued from now on from `clock` (shared by the windows); the
+  /// blocks queued already are stamped now, in hand-out order. Without it every stamp is 0, so
+  /// keys of one rank tie whenever they were queued.
   void EnableEvictionKeys(std::uint64_t* clock);
   EvictionKey EvictionKeyOf(BlockId b) const;
   /// The slab of this window's next victim if lending it costs less than evicting a block of
@@ -160,13 +158,11 @@ class WindowBlockManager {
   /// Takes ownership of slab `slab` (given up by another window): its blocks join the scratch
   /// queue.
   void AdoptSlab(std::int32_t slab);
-  std::int32_t NumFreeSecondary() const { return policy_.NumFree(CacheLevel::kSecondary); }
   bool IsPrimary(BlockId b) const { return b < num_primary_; }
   std::int32_t RefCount(BlockId b) const { return state_[b].ref_count; }
   /// Sum over primary blocks of (references - 1) for blocks with more than one: how many
   /// releases of held blocks would free nothing. Kept as references change (O(1)).
   std::int64_t NumSharedRefs() const { return shared_refs_; }
-  SeqId Owner(BlockId b) const { return state_[b].owner; }
   std::uint32_t Generation(BlockId b) const { return state_[b].generation; }
   NodeId NodeOf(BlockId b) const { return state_[b].node; }
   int Priority(BlockId b) const { return state_[b].priority; }
@@ -174,18 +170,16 @@ class WindowBlockManager {
 
   /// The one way a block becomes writable by a sequence: takes free block `b` out of the free
   /// queues and ends its cached identity (offloaded to a secondary block when `offload` and
-  /// allowed, else dropped from the tree), then gives it one reference, owner `owner`, a new
-  /// generation, `priority` and `expiry_ms`. Every live sequence that had released `b` out of
-  /// window (its record of `b`'s content is now stale) is appended to *displaced.
-  BlockId Grant(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms, bool offload,
-                std::vector<SeqId>* displaced);
+  /// allowed, else dropped from the tree), then gives it one reference, a new generation,
+  /// `priority` and `expiry_ms`. Every live sequence that had released `b` out of window (its
+  /// record of `b`'s content is now stale) is appended to *displaced.
+  BlockId Grant(BlockId b, int priority, std::int64_t expiry_ms, bool offload, std::vector<SeqId>* displaced);
   /// Grant of the next free primary block (the eviction victim). Precondition: a free block.
-  BlockId Acquire(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  BlockId Acquire(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// `n` calls of Acquire in one: out[0..n) get the blocks those calls would hand out, in that
   /// order (scratch blocks in one pass, then cached victims). Throws, with nothing changed, if
   /// fewer than `n` blocks are free.
-  void AcquireN(std::int32_t n, SeqId owner, int priority, std::int64_t expiry_ms, BlockId* out,
-                std::vector<SeqId>* displaced);
+  void AcquireN(std::int32_t n, int priority, std::int64_t expiry_ms, BlockId* out, std::vector<SeqId>* displaced);
   /// Takes a read-only reference on `b` (cached blocks may be free: they leave the free queues).
   void Claim(BlockId b);
   /// Records that cached block `b` served a reuse hit: once free it waits in a protected queue
@@ -203,10 +197,9 @@ class WindowBlockManager {
   bool HasReleasers(BlockId b) const { return state_[b].releaser >= 0; }
   /// Live sequences that released `b` out of window since its last Grant (checks and tests).
   std::vector<SeqId> Releasers(BlockId b) const;
-  /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block for
-  /// `owner` and relinks the tree node to it; releases `s`. Returns the primary block.
-  BlockId Onboard(BlockId s, SeqId owner, int priority, std::int64_t expiry_ms,
-                  std::vector<SeqId>* displaced);
+  /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block and
+  /// relinks the tree node to it; releases `s`. Returns the primary block.
+  BlockId Onboard(BlockId s, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
   void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
 
@@ -232,12 +225,12 @@ class WindowBlockManager {
   /// content (appended to *displaced). Its generation is bumped. Grant and LendSlab use it.
   void Reclaim(BlockId b, bool offload, std::vector<SeqId>* displaced);
   /// Acquire's body, inlined into AcquireN's loop over cached victims.
-  BlockId TakeVictim(SeqId owner, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
+  BlockId TakeVictim(int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Reclaim's last step: the other sequences' records of `b`'s content end (appended to
   /// *displaced), the hit mark clears and the generation is bumped.
   void Renew(BlockId b, std::vector<SeqId>* displaced);
-  /// Grant's last step: one reference, owner, priority and expiry.
-  void Hand(BlockId b, SeqId owner, int priority, std::int64_t expiry_ms);
+  /// Grant's last step: one reference, priority and expiry.
+  void Hand(BlockId b, int priority, std::int64_t expiry_ms);
   void ReleaseOne(BlockId b, bool to_front, SeqId released_by);  // Release, inlined into ReleaseN
   int QueuePriority(BlockId b) const;
   bool QueueProtected(BlockId b) const;
@@ -295,7 +288,6 @@ class WindowBlockManager {
     NodeId node = kNoNode;  // the tree node whose content the block caches
     std::int8_t priority = static_cast<std::int8_t>(kDefaultPriority);
     bool hit = false;            // served a reuse hit since it was linked (protected when free)
-    SeqId owner = -1;
     // A live sequence holding a record of the content (released out of window), -1: none. Nearly
     // always one at most: the others, if any, are in more_releasers_[b] (no allocation per block).
     SeqId releaser = -1;
@@ -318,7 +310,6 @@ class WindowBlockManager {
   std::vector<BlockId> disk_free_;
   std::vector<bool> disk_in_free_;
   std::vector<unsigned char> disk_buffer_;  // one block read from disk (kept: no re-allocation)
-  std::int64_t spilled_ = 0;
 };
 
 }  // namespace kvcache
