@@ -7,6 +7,7 @@ Hand computations are in the comments; every expected number is written out.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -172,20 +173,23 @@ def test_auto_shares_with_fp8_full_layers_hand_computed() -> None:
     )
     assert bytes_per_token(g4, c, 32768) == {1024: 819200, 32768: 40960}
     budget = 80 * 2**30
-    sliding = 33 * 32 * 819200  # 865,075,200 B per sequence
+    # n sequences need peak + (n - 1) x live blocks of a window: the sliding window holds 289
+    # blocks (ceil((1024 + 8191) / 32) + 1) while one 32k prompt prefills in 8,192-token
+    # chunks and 33 while a sequence decodes; full attention 1,024 either way.
+    sliding = 33 * 32 * 819200  # 865,075,200 B per decoding sequence
     full = 1024 * 32 * 40960  # 1,342,177,280 B per sequence
-    expected = {
-        1024: (budget * sliding // ((sliding + full) * 32 * 819200), 0),
-        32768: (budget * full // ((sliding + full) * 32 * 40960), 0),
-    }
-    assert expected == {1024: (1284, 0), 32768: (39850, 0)}
+    peak = 289 * 32 * 819200 + full
+    extra = Fraction(budget - peak, sliding + full)  # sequences beyond the first
+    expected = {1024: (int(289 + extra * 33), 0), 32768: (int(1024 + extra * 1024), 0)}
+    assert expected == {1024: (1439, 0), 32768: (36737, 0)}
     assert blocks_per_window(g4, c, 32768, budget) == expected
     # all bfloat16: the full window costs 81,920 B per token, twice as much
     bf16 = KvCacheConfig(max_attention_window=[1024] * 5 + [None], window_size_shares="auto")
     full16 = 1024 * 32 * 81920
+    extra16 = Fraction(budget - 289 * 32 * 819200 - full16, sliding + full16)
     assert blocks_per_window(g4, bf16, 32768, budget) == {
-        1024: (budget * sliding // ((sliding + full16) * 32 * 819200), 0),
-        32768: (budget * full16 // ((sliding + full16) * 32 * 81920), 0),
+        1024: (int(289 + extra16 * 33), 0),
+        32768: (int(1024 + extra16 * 1024), 0),
     }
 
 
@@ -491,9 +495,11 @@ def test_plan_shows_dtype_head_size_and_savings(capsys: pytest.CaptureFixture[st
     assert sliding["saved_per_sequence"] == 0
     # 1,024 blocks x 32 tokens x (81,920 - 40,960) B
     assert full["saved_per_sequence"] == 1024 * 32 * 40960
-    # blocks as in test_auto_shares_with_fp8_full_layers_hand_computed; 1,284 // 33 = 38
-    assert (sliding["blocks"], full["blocks"]) == (1284, 39850)
-    assert (auto["max_sequences"], auto["model_dtype_max_sequences"]) == (38, 24)
+    # blocks as in test_auto_shares_with_fp8_full_layers_hand_computed; one sequence at its
+    # prefill peak (289 blocks), the others decoding (33): 1 + (1439 - 289) // 33 = 35
+    assert (sliding["blocks"], full["blocks"]) == (1439, 36737)
+    assert (sliding["peak_blocks"], sliding["limited_by"]) == (289, "chunk")
+    assert (auto["max_sequences"], auto["model_dtype_max_sequences"]) == (35, 22)
 
 
 def test_plan_text_for_gemma4(capsys: pytest.CaptureFixture[str]) -> None:
