@@ -1,8 +1,10 @@
 """The engine step around the manager: scheduler, resource manager, refresh (virtual backend).
 
 Prints tables of medians; never asserts; seeded. Run:
-``python bench/bench_step.py`` (``--quick``: 400 requests, well under a minute;
-``--policy``: one of the two policies, default both; ``--json FILE``: the results as JSON).
+``python bench/bench_step.py`` (about 30 s on a 2-core VM; ``--quick``: 400 requests, a few
+seconds; ``--policy``: one of the two policies, default both; ``--json FILE``: the results as
+JSON, ``-`` for stdout), ``python bench/bench_step.py --waiting 100 1000 10000`` (about
+15 s), ``python bench/bench_step.py --compare /path/to/other-venv/bin/python [--quick]``.
 
 Only the documented API is used (``CapacityScheduler``, ``KVCacheResourceManager``,
 ``Request``, ``ScheduledBatch``, ``manager.refresh_blocks``, ``manager.get_kv_cache_stats``),
@@ -21,14 +23,17 @@ so the same script measures a rewritten scheduler or resource manager unchanged.
     after ``prepare_resources``), ``update_resources(batch)``, ``free_resources`` of every
     request that finished in the step, ``manager.refresh_blocks()``.
 
-    Each part is timed with ``time.thread_time_ns`` (CPU time of this thread: other
-    processes on a shared machine do not count, garbage collection in the part does); the
-    *step* is their sum, the model's token sampling and the engine's own list keeping
-    excluded. Reported per policy (``guaranteed_no_evict``, ``max_utilization``): median,
-    p90 and mean µs per step of the step and of each part, steps, the median number of
-    requests in a step's batch, the hit rate (``get_kv_cache_stats().cache_hit_rate``),
-    pauses (sum of ``num_pauses`` over the requests; and the scheduler's ``paused`` lists,
-    summed), rejected and completed requests, and the wall time of the replay.
+    Each part is timed with ``time.thread_time_ns`` (CPU time of this thread: time given
+    to other processes does not count, though on a busy machine the shared caches still
+    slow the step down; garbage collection inside a part counts); the *step* is their sum,
+    the model's token sampling and the engine's own list keeping excluded. Each part
+    includes one clock read (printed, and ``clock_floor_ns`` in the JSON: about 0.7 µs on a
+    2-core VM), the floor of an empty part; it is not subtracted. Reported per policy
+    (``guaranteed_no_evict``, ``max_utilization``): median, p90 and mean µs per step of the
+    step and of each part, steps, the median number of requests in a step's batch, the hit
+    rate (``get_kv_cache_stats().cache_hit_rate``), pauses (sum of ``num_pauses`` over the
+    requests; and the scheduler's ``paused`` lists, summed), rejected and completed
+    requests, and the wall time of the replay.
 
 (b) ``--waiting N [N ...]``: the per-step cost as a function of the length of the waiting
     queue. The same set-up and engine with ``N`` more requests in the trace (the same
@@ -227,6 +232,17 @@ def run_engine(
 # ----------------------------------------------------------------------------- statistics
 
 
+def clock_floor_ns(samples: int = 20_000) -> int:
+    """Median ns between two back-to-back ``thread_time_ns`` calls: what an empty part
+    measures (every part includes one such read; not subtracted)."""
+    clock = time.thread_time_ns
+    gaps = []
+    for _ in range(samples):
+        a = clock()
+        gaps.append(clock() - a)
+    return int(statistics.median(gaps))
+
+
 def _us(values: list[int], q: float | None = None) -> float:
     """Median (or percentile ``q``) of ns samples, in µs."""
     if not values:
@@ -311,6 +327,11 @@ def bench_replay(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         "paused: sum of the scheduler's paused lists)",
         file=out,
     )
+    print(
+        f"  (each part includes one clock read, {args.clock_ns / 1000:.2f} µs here: the floor "
+        "of an empty part, not subtracted)",
+        file=out,
+    )
     return results
 
 
@@ -356,11 +377,13 @@ def bench_waiting(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
 
 def run_benchmark(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     """The replay, or the waiting-queue sweep; returns the JSON document."""
+    args.clock_ns = clock_floor_ns()
     doc: dict[str, Any] = {
         "kvcache": {"version": kvcache.__version__, "path": str(Path(kvcache.__file__).parent)},
         "python": sys.executable,
         "seed": args.seed,
         "lend_free_memory": not args.no_lend,
+        "clock_floor_ns": args.clock_ns,
     }
     if args.waiting:
         doc["waiting"] = bench_waiting(args, out)
