@@ -61,9 +61,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
 
+from kvcache import _core
 from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.resource_manager import (
     KVCacheResourceManager,
@@ -80,7 +81,6 @@ _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
 
 
-@dataclass
 class SchedulerOutput:
     """The decisions of one :meth:`CapacityScheduler.schedule` call.
 
@@ -89,13 +89,34 @@ class SchedulerOutput:
             generation requests with their draft-token counts).
         paused: Running requests that were paused and freed (``max_utilization`` only).
         rejected: Requests that can never fit; their state is ``FAILED``.
-        waiting: Requests left waiting.
+        waiting: Requests left waiting (built when first read: read it before the next
+            ``schedule`` call).
     """
 
-    batch: ScheduledBatch = field(default_factory=ScheduledBatch)
-    paused: list[Request] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)
-    waiting: list[Request] = field(default_factory=list)
+    def __init__(
+        self,
+        batch: ScheduledBatch | None = None,
+        paused: list[Request] | None = None,
+        rejected: list[Request] | None = None,
+        waiting: list[Request] | None = None,
+    ) -> None:
+        self.batch = batch if batch is not None else ScheduledBatch()
+        self.paused: list[Request] = paused if paused is not None else []
+        self.rejected: list[Request] = rejected if rejected is not None else []
+        self._waiting = waiting
+        self._waiting_source: Iterable[Request] = ()
+        self._taken: set[int] = set()  # requests of the queue admitted or rejected
+        self._scanned = 0  # waiting requests the scheduler looked at, from the head
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests left waiting, in order."""
+        if self._waiting is None:
+            taken = self._taken
+            self._waiting = [
+                r for r in self._waiting_source if r.request_id not in taken and r.state in _WAITING
+            ]
+        return self._waiting
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -155,7 +176,20 @@ class CapacityScheduler:
         self._chunked = bool(chunked_prefill)
         caps = [c for c in (max_chunk_size, max_num_batched_tokens) if c is not None]
         self._chunk: int | None = min(caps) if chunked_prefill and caps else None
+        self._native = _core.CapacityScheduler(
+            resource_manager.manager,
+            policy,
+            self._max_batch,
+            max_num_batched_tokens,
+            self._chunked,
+            self._chunk,
+        )
+        self._guaranteed = policy == "guaranteed_no_evict"
         self._fits_checked: dict[int, int] = {}  # request id -> context length checked
+        # The index form (add_request, then schedule()): requests in arrival order.
+        self._rank: dict[int, int] = {}  # request id -> arrival rank
+        self._queue: deque[Request] = deque()  # waiting and paused requests, by rank
+        self._running: list[Request] = []  # registered requests, by rank
 
     @property
     def policy(self) -> str:
@@ -178,198 +212,157 @@ class CapacityScheduler:
         budget, whichever is smaller (``None``: whole prompts)."""
         return self._chunk
 
-    def schedule(self, requests: Sequence[Request]) -> SchedulerOutput:
+    def add_request(self, request: Request) -> None:
+        """Queues a new request for the index form of :meth:`schedule` (``schedule()`` with no
+        argument), after every request added before it.
+
+        Raises:
+            ValueError: The request was added before, or is not waiting.
+        """
+        rid = request.request_id
+        if rid in self._rank:
+            raise ValueError(f"request {rid} was already added")
+        if request.state is not RequestState.WAITING:
+            raise ValueError(f"request {rid} is {request.state.value}, not waiting")
+        self._rank[rid] = len(self._rank)
+        self._queue.append(request)
+
+    def schedule(self, requests: Sequence[Request] | None = None) -> SchedulerOutput:
         """Schedules the next step.
 
-        Args:
-            requests: The active requests in priority (arrival) order: running ones
-                (context or generation state, holding blocks) and waiting or paused ones.
-                Finished and failed requests are ignored.
+        Two forms. ``schedule(requests)``: the active requests in priority (arrival) order,
+        running ones (context or generation state, holding blocks) and waiting or paused ones;
+        finished and failed requests are ignored. ``schedule()``: the requests given to
+        :meth:`add_request` that are not finished or failed; its work is proportional to the
+        running requests and those it admits, whatever the length of the queue.
+
+        The decisions are the native scheduler's (``kvcache._core.CapacityScheduler``): a
+        waiting request is checked against the pools (longer than ``max_seq_len``, or beyond a
+        window's whole pool: rejected) when it reaches the head of the queue.
 
         Returns:
             The batch, and the paused, rejected and still-waiting requests.
         """
-        rm = self._rm
-        out = SchedulerOutput()
-        running = [r for r in requests if r.state in _RUNNING and rm.has_request(r)]
-        waiting = [r for r in requests if r.state in _WAITING]
-        plan, left = self._plan_running(running)
-        if self._policy == "guaranteed_no_evict":
-            committed = self._reserve(running)
+        if requests is None:
+            running, waiting = self._indexed()
         else:
-            committed = self._fit_running(running, plan, out)
-        out.batch = self._batch(plan)
-        self._admit(waiting, running, committed, left, out)
+            registered = self._rm.has_request
+            running = [r for r in requests if r.state in _RUNNING and registered(r)]
+            waiting = [r for r in requests if r.state in _WAITING]
+        out = self._decide(running, waiting)
+        if requests is None:
+            self._reindex(out)
         return out
 
-    # ------------------------------------------------------------------ running requests
+    # ------------------------------------------------------------------ internals
 
-    def _plan_running(self, running: list[Request]) -> tuple[list[tuple[Request, int]], int | None]:
-        """Tokens of each running request's step, in budget order: generation requests
-        first, then continuing prefills; returns them and the budget left."""
-        left = self._max_tokens
-        plan: list[tuple[Request, int]] = []
-        for r in running:
-            if r.state is RequestState.GENERATION:
-                tokens = 1 + self._rm.num_draft_tokens_for(r)
-                if left is None or tokens <= left:
-                    plan.append((r, tokens))
-                    left = None if left is None else left - tokens
-        for r in running:
-            if r.state is RequestState.CONTEXT:
-                size = self._chunk_for(r.context_len - r.context_position, left)
-                if size > 0:
-                    plan.append((r, size))
-                    left = None if left is None else left - size
-        return plan, left
-
-    def _chunk_for(self, rest: int, left: int | None) -> int:
-        """Tokens of a prefill chunk with ``rest`` prompt tokens to go and ``left`` in the
-        budget (0: none this step)."""
-        if not self._chunked:
-            return rest
-        size = rest if self._chunk is None else min(rest, self._chunk)
-        return size if left is None else min(size, left)
-
-    def _reserve(self, running: list[Request]) -> dict[int, int]:
-        """``guaranteed_no_evict``: blocks per window committed to the running requests'
-        completion (and to the extra holdings of shared blocks); admissions add theirs and
-        must keep the total allocatable (:meth:`KVCacheResourceManager.can_allocate`)."""
+    def _decide(
+        self, running: list[Request], waiting: list[Request] | deque[Request]
+    ) -> SchedulerOutput:
         rm = self._rm
-        rest = rm.get_remaining_blocks_for(running, chunk_size=self._chunk) if running else None
-        return {
-            w: rm.get_num_shared_blocks(w) + (rest[i] if rest else 0)
-            for i, w in enumerate(rm.window_sizes)
-        }
-
-    def _fit_running(
-        self, running: list[Request], plan: list[tuple[Request, int]], out: SchedulerOutput
-    ) -> dict[int, int]:
-        """``max_utilization``: pauses the newest running requests until every window holds
-        the planned step; returns the blocks per window committed to it and to what the
-        prompts being prefilled still need until their last chunk (admissions add theirs)."""
-        rm = self._rm
-        windows = rm.window_sizes
-        while True:
-            total = dict(zip(windows, self._plan_needs(plan), strict=True))
-            if not running or rm.can_allocate(total):
-                break
-            victim = running.pop()  # the newest running request
-            plan[:] = [(r, t) for r, t in plan if r is not victim]
-            self._pause(victim)
-            out.paused.append(victim)
-        prefilling = [r for r in running if r.state is RequestState.CONTEXT]
-        if prefilling:
-            decodes = [(r, t) for r, t in plan if r.state is RequestState.GENERATION]
-            reserve = self._plan_needs(decodes)
-            rest = rm.get_remaining_blocks_for(
-                prefilling, chunk_size=self._chunk, prefill_only=True
-            )
-            total = {w: max(total[w], reserve[i] + rest[i]) for i, w in enumerate(windows)}
-        return total
-
-    def _plan_needs(self, plan: list[tuple[Request, int]]) -> list[int]:
-        """Blocks per window the planned step takes (see
-        :meth:`KVCacheResourceManager.get_needed_blocks_for_step`)."""
-        gen = [(r, t - 1) for r, t in plan if r.state is RequestState.GENERATION]
-        chunks = [(r, t) for r, t in plan if r.state is RequestState.CONTEXT]
-        return self._rm.get_needed_blocks_for_plan(gen, chunks)
-
-    @staticmethod
-    def _batch(plan: list[tuple[Request, int]]) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        for r, tokens in plan:
-            if r.state is RequestState.GENERATION:
-                batch.add_generation(r, tokens - 1)
-            else:
-                batch.add_context(r, tokens)
-        return batch
-
-    # ------------------------------------------------------------------ admissions
-
-    def _admit(
-        self,
-        waiting: list[Request],
-        running: list[Request],
-        committed: dict[int, int],
-        left: int | None,
-        out: SchedulerOutput,
-    ) -> None:
-        """Admits waiting requests in order while the token budget, the batch size and
-        the windows allow (``committed`` plus the request's blocks stay allocatable); the
-        first that does not fit blocks the rest."""
-        rm = self._rm
-        windows = rm.window_sizes
-        guaranteed = self._policy == "guaranteed_no_evict"
-        blocked = bool(out.paused)  # no admissions in a step that had to pause
-        admitted = 0
+        out = SchedulerOutput()
+        out._waiting_source = waiting
+        room = self._max_batch - len(running)
+        candidates: list[Request] = []
         for r in waiting:
+            if len(candidates) >= room:
+                break
+            out._scanned += 1
             if self._never_fits(r):
                 r.state = RequestState.FAILED
                 out.rejected.append(r)
                 continue
-            if blocked or len(running) + admitted >= self._max_batch:
-                blocked = True
-                out.waiting.append(r)
-                continue
-            size = self._first_chunk(r, left, empty=len(out.batch) == 0)
-            if size == 0:
-                blocked = True
-                out.waiting.append(r)
-                continue
-            # Exact reuse only for the first admission of the step (see the module doc).
-            if guaranteed:
-                need = rm.get_remaining_blocks_per_window(
-                    r, chunk_size=self._chunk, use_reuse=not admitted
-                )
-            else:
-                need = rm.get_remaining_blocks_per_window(
-                    r, chunk_size=self._chunk, use_reuse=not admitted, prefill_only=True
-                )
-            wanted = {w: committed[w] + need[w] for w in windows}
-            if rm.can_allocate(wanted):
-                committed.update(wanted)
-                out.batch.add_context(r, size)
-                admitted += 1
-                left = None if left is None else max(0, left - size)
-                self._fits_checked.pop(r.request_id, None)
-            elif not running and len(out.batch) == 0:
-                # Nothing runs, so nothing will change the pools or the cache: a request
-                # that does not fit now never will.
-                r.state = RequestState.FAILED
-                out.rejected.append(r)
-                self._fits_checked.pop(r.request_id, None)
-            else:
-                blocked = True
-                out.waiting.append(r)
-
-    def _first_chunk(self, r: Request, left: int | None, *, empty: bool) -> int:
-        """Tokens of a new request's first chunk (after its cached prefix), 0 if the token
-        budget leaves none. A whole prompt must fit the budget unless the step is empty."""
-        if not self._chunked:
-            size = r.context_len
-            return size if left is None or size <= left or empty else 0
-        if left == 0:
-            return 0
-        rest = r.context_len - self._rm.get_reusable_prefix_length(r)
-        return self._chunk_for(rest, left)
+            candidates.append(r)
+        drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
+        finals = [r.max_kv_tokens for r in running] if self._guaranteed else [0] * len(running)
+        gen, ndraft, chunked, sizes, admitted, first, paused, rejected = self._native.schedule(
+            [r.request_id for r in running],
+            finals,
+            drafts,
+            [r.request_id for r in candidates],
+            [rm._prompt(r) for r in candidates],
+            [r.max_kv_tokens for r in candidates],
+        )
+        by_id = {r.request_id: r for r in running}
+        for rid in paused:
+            self._pause(by_id[rid])
+            out.paused.append(by_id[rid])
+        batch = out.batch
+        batch.generation = [(by_id[rid], d) for rid, d in zip(gen, ndraft, strict=True)]
+        batch.context = [(by_id[rid], k) for rid, k in zip(chunked, sizes, strict=True)]
+        taken = out._taken
+        for j, k in zip(admitted, first, strict=True):
+            r = candidates[j]
+            batch.context.append((r, k))
+            taken.add(r.request_id)
+            self._fits_checked.pop(r.request_id, None)
+        for j in rejected:
+            r = candidates[j]
+            r.state = RequestState.FAILED
+            out.rejected.append(r)
+            taken.add(r.request_id)
+            self._fits_checked.pop(r.request_id, None)
+        for r in out.rejected:
+            taken.add(r.request_id)
+        return out
 
     def _never_fits(self, r: Request) -> bool:
         """Longer than max_seq_len, or a window's peak beyond its whole pool. A resumed
         request registers its generated tokens too, so it is checked again after a pause."""
-        if self._fits_checked.get(r.request_id) == r.context_len:
+        n = r.context_len
+        if self._fits_checked.get(r.request_id) == n:
             return False
-        rm = self._rm
-        alone = rm.get_blocks_to_run_alone(r, chunk_size=self._chunk)
-        if r.max_kv_tokens > rm.max_seq_len or not rm.fits_when_empty(alone):
+        if self._native.never_fits(n, r.max_kv_tokens):
+            self._fits_checked.pop(r.request_id, None)
             return True
-        self._fits_checked[r.request_id] = r.context_len
+        self._fits_checked[r.request_id] = n
         return False
 
     def _pause(self, r: Request) -> None:
-        self._rm.free_resources(r)
+        """Marks a request the native scheduler paused (its sequence is already removed)."""
+        self._rm._forget(r)
         r.state = RequestState.PAUSED
         r.num_pauses += 1
         r.context_position = 0
         r.draft_tokens = []
         r.rewind_len = 0
+
+    def _indexed(self) -> tuple[list[Request], deque[Request]]:
+        """The index form's running and waiting requests: finished, failed or freed ones
+        leave the index; the running list stays in arrival order."""
+        registered = self._rm.has_request
+        self._running = [r for r in self._running if r.state in _RUNNING and registered(r)]
+        queue = self._queue
+        while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
+            queue.popleft()
+        return self._running, queue
+
+    def _reindex(self, out: SchedulerOutput) -> None:
+        """Moves admitted requests from the queue's head to the running list and paused ones
+        back into the queue, each by arrival rank."""
+        taken = out._taken
+        queue = self._queue
+        kept: list[Request] = []
+        for _ in range(out._scanned):  # the candidates came from the head, in order
+            r = queue.popleft()
+            if r.request_id not in taken:
+                kept.append(r)
+            elif r.state is not RequestState.FAILED:
+                self._insert(self._running, r)
+        queue.extendleft(reversed(kept))
+        for r in out.paused:
+            self._running.remove(r)
+            self._insert(queue, r)
+        out._waiting_source = queue
+
+    def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
+        rank = self._rank
+        key = rank.get(r.request_id, len(rank))
+        lo, hi = 0, len(lst)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if rank.get(lst[mid].request_id, len(rank)) < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        lst.insert(lo, r)
