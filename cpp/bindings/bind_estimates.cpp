@@ -4,11 +4,15 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "args.h"
 #include "bindings.h"
 #include "kvcache/block_math.h"
+#include "kvcache/capacity_scheduler.h"
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
 
@@ -36,6 +40,12 @@ using KeepArg = Int<std::int64_t, kKeep, 1>;
 using FrontArg = Int<std::int32_t, kFront, 0>;
 using WindowArg = Int<std::int64_t, kWindow, 1>;
 using BlockSize = Int<std::int32_t, kTokensPerBlock, 1>;
+
+/// Token counts (each >= 0) from a sequence of ints.
+void ToLengths(const py::handle& obj, std::vector<std::int32_t>* out) {
+  out->clear();
+  for (const py::handle item : obj) out->push_back(Int<std::int32_t, kNumTokens, 0>::Read(item));
+}
 
 std::int32_t ChunkOrWhole(const std::optional<ChunkArg>& chunk) { return chunk.has_value() ? chunk->value : 0; }
 
@@ -85,10 +95,62 @@ void BindBlockMath(py::module_& m) {
           "Most blocks a sequence holds in a window from registration to final_tokens tokens, nothing reused.");
 }
 
+void BindScheduler(py::module_& m) {
+  using S = CapacityScheduler;
+  py::class_<S>(m, "CapacityScheduler", "Native capacity scheduler (see kvcache.scheduler.CapacityScheduler).")
+      .def(py::init([](M* manager, const std::string& policy, std::int32_t max_batch_size,
+                       std::optional<std::int64_t> max_num_batched_tokens, bool chunked_prefill,
+                       std::optional<std::int32_t> chunk) {
+             CapacitySchedulerConfig c;
+             if (policy == "guaranteed_no_evict") {
+               c.policy = CapacityPolicy::kGuaranteedNoEvict;
+             } else if (policy == "max_utilization") {
+               c.policy = CapacityPolicy::kMaxUtilization;
+             } else {
+               ThrowInvalid("policy must be guaranteed_no_evict or max_utilization, got '", policy, "'");
+             }
+             c.max_batch_size = max_batch_size;
+             c.max_num_batched_tokens = max_num_batched_tokens.value_or(-1);
+             c.chunked_prefill = chunked_prefill;
+             c.chunk = chunk.value_or(-1);
+             return std::make_unique<S>(manager, c);
+           }),
+           py::arg("manager"), py::arg("policy"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"),
+           py::arg("chunked_prefill"), py::arg("chunk"), py::keep_alive<1, 2>())
+      .def("never_fits", &S::NeverFits, py::arg("context_len"), py::arg("final_tokens"),
+           "Whether a request can never run: longer than max_seq_len or beyond some window's pool.")
+      .def(
+          "schedule",
+          [](S& self, const std::vector<SeqId>& running, const std::vector<std::int32_t>& finals,
+             const std::optional<std::vector<std::int32_t>>& drafts, const std::vector<SeqId>& candidate_ids,
+             const std::vector<std::shared_ptr<PreparedPrompt>>& contexts,
+             const std::vector<std::int32_t>& candidate_finals) {
+            if (finals.size() != running.size() || (drafts && drafts->size() != running.size())) {
+              ThrowInvalid("schedule: running, final_tokens and drafts must pair up");
+            }
+            if (contexts.size() != candidate_ids.size() || candidate_finals.size() != candidate_ids.size()) {
+              ThrowInvalid("schedule: candidate ids, contexts and final tokens must pair up");
+            }
+            std::vector<AdmissionCandidate> candidates(candidate_ids.size());
+            for (std::size_t k = 0; k < candidates.size(); ++k) {
+              candidates[k] = AdmissionCandidate{candidate_ids[k], contexts[k].get(), candidate_finals[k]};
+            }
+            StepPlan p = self.Schedule(running.data(), finals.data(), drafts ? drafts->data() : nullptr,
+                                       running.size(), candidates.data(), candidates.size());
+            return py::make_tuple(p.generation, p.drafts, p.chunks, p.chunk_sizes, p.admitted, p.admitted_chunks,
+                                  p.paused, p.rejected);
+          },
+          py::arg("running"), py::arg("final_tokens"), py::arg("drafts"), py::arg("candidate_ids"),
+          py::arg("contexts"), py::arg("candidate_final_tokens"),
+          "Plans one step: (generation ids, drafts, chunk ids, chunk sizes, admitted candidate indices, their "
+          "first chunks, paused ids, rejected candidate indices). Paused requests are removed from the manager.");
+}
+
 }  // namespace
 
 void BindEstimates(py::module_& m) {
   BindBlockMath(m);
+  BindScheduler(m);
   py::class_<M> cls = py::reinterpret_borrow<py::class_<M>>(m.attr("KVCacheManager"));
   cls.def(
          "get_step_needs",
@@ -157,7 +219,19 @@ void BindEstimates(py::module_& m) {
       .def(
           "get_num_held_blocks",
           [](const M& self, RequestId id, WindowSizeArg w) { return self.GetNumHeldBlocks(id.value, w.value); },
-          py::arg("request_id"), py::arg("window_size"), "Blocks the sequence holds in the window now.");
+          py::arg("request_id"), py::arg("window_size"), "Blocks the sequence holds in the window now.")
+      .def(
+          "_first_length_mismatch",
+          [](const M& self, const py::handle& ids, const py::handle& lengths) {
+            thread_local std::vector<SeqId> v;
+            thread_local std::vector<std::int32_t> l;
+            ToRequestIds(ids, "request ids", &v);
+            ToLengths(lengths, &l);
+            if (v.size() != l.size()) ThrowInvalid("request ids and lengths must pair up");
+            return self.FirstLengthMismatch(v.data(), l.data(), v.size());
+          },
+          py::arg("request_ids"), py::arg("lengths"),
+          "The first index whose sequence is not registered or holds another number of tokens, or -1.");
 }
 
 }  // namespace kvcache::py

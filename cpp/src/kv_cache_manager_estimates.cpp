@@ -210,4 +210,14 @@ std::int32_t KVCacheManager::GetNumHeldBlocks(SeqId id, WindowSize window) const
   return static_cast<std::int32_t>(sw.blocks.size()) - sw.front_null;
 }
 
+std::int64_t KVCacheManager::FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths,
+                                                std::size_t n) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto it = sequences_.find(ids[i]);
+    if (it == sequences_.end() || it->second.num_tokens != lengths[i]) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
 }  // namespace kvcache

@@ -10,6 +10,7 @@ import typing
 import typing_extensions
 
 __all__: list[str] = [
+    "CapacityScheduler",
     "CudaError",
     "DEFAULT_PRIORITY",
     "DeviceOOMError",
@@ -163,6 +164,10 @@ class KVCacheManager:
     def _blocks_to_allocate_plain(
         self, tokens: typing.Any, prefill: typing.SupportsIndex | None = None
     ) -> dict: ...
+    def _first_length_mismatch(self, request_ids: typing.Any, lengths: typing.Any) -> int:
+        """
+        The first index whose sequence is not registered or holds another number of tokens, or -1.
+        """
     def _get_num_blocks_to_allocate(
         self,
         tokens: typing.Any,
@@ -395,6 +400,42 @@ class KVCacheManager:
     def tokens_per_block(self) -> int: ...
     @property
     def window_sizes(self) -> list[int]: ...
+
+class CapacityScheduler:
+    """
+    Native capacity scheduler (see kvcache.scheduler.CapacityScheduler).
+    """
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        policy: str,
+        max_batch_size: typing.SupportsInt | typing.SupportsIndex,
+        max_num_batched_tokens: typing.SupportsInt | typing.SupportsIndex | None,
+        chunked_prefill: bool,
+        chunk: typing.SupportsInt | typing.SupportsIndex | None,
+    ) -> None: ...
+    def never_fits(
+        self,
+        context_len: typing.SupportsInt | typing.SupportsIndex,
+        final_tokens: typing.SupportsInt | typing.SupportsIndex,
+    ) -> bool:
+        """
+        Whether a request can never run: longer than max_seq_len or beyond some window's pool.
+        """
+    def schedule(
+        self,
+        running: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        drafts: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None,
+        candidate_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        contexts: collections.abc.Sequence[PreparedPrompt],
+        candidate_final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    ) -> tuple[
+        list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]
+    ]:
+        """
+        Plans one step: (generation ids, drafts, chunk ids, chunk sizes, admitted candidate indices, their first chunks, paused ids, rejected candidate indices). Paused requests are removed from the manager.
+        """
 
 def blocks_to_run_alone(
     prompt_len: typing.SupportsIndex,

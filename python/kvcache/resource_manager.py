@@ -319,9 +319,10 @@ class KVCacheResourceManager:
             OutOfBlocksError: Some window lacks blocks; nothing was changed.
         """
         added: list[Request] = []
-        grown: list[tuple[Request, int]] = []  # (request, tokens appended so far)
+        rounds = 0  # add_tokens calls done for the generation requests
         original = list(batch.context)
         prefills: list[tuple[Request, int]] = []
+        gen = batch.generation
         try:
             for k, (request, chunk) in enumerate(original):
                 if request.request_id in self._running:
@@ -333,20 +334,19 @@ class KVCacheResourceManager:
                 rest = request.context_len - request.context_position
                 if chunk > rest:
                     batch.context[k] = (request, rest)
-            gen = batch.generation
-            for request, d in gen:
-                self._check_generation(request, d)
+            drafts = self._check_generation(gen) if gen else 0
             if prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
-                self._add_tokens(
-                    [r for r, _ in gen], [r.generated[-1] for r, _ in gen], grown, first=True
-                )
-                for j in range(max(d for _, d in gen)):
+                add = self._manager.add_tokens
+                add([r.request_id for r, _ in gen], [r.generated[-1] for r, _ in gen])
+                rounds = 1
+                for j in range(drafts):
                     step = [r for r, d in gen if d > j]
-                    self._add_tokens(step, [r.draft_tokens[j] for r in step], grown)
+                    add([r.request_id for r in step], [r.draft_tokens[j] for r in step])
+                    rounds += 1
         except BaseException:
-            self._roll_back(added, grown)
+            self._roll_back(added, gen, rounds)
             batch.context[:] = original
             raise
         if prefills:  # checked above: cannot run out of blocks (one call for the step)
@@ -635,6 +635,10 @@ class KVCacheResourceManager:
 
     # ------------------------------------------------------------------ internals
 
+    def _forget(self, request: Request) -> None:
+        """Drops a request whose sequence the native scheduler removed (a pause)."""
+        del self._running[request.request_id]
+
     def _index(self, window_size: int) -> int:
         try:
             return self._windows.index(window_size)
@@ -815,44 +819,46 @@ class KVCacheResourceManager:
                 "see ScheduledBatch.is_last_chunk)"
             )
 
-    def _check_generation(self, request: Request, num_draft: int) -> None:
-        rid = request.request_id
-        if rid not in self._running or request.state is not RequestState.GENERATION:
-            raise ValueError(f"request {rid}: not in generation (state {request.state.value})")
-        kv = int(self._manager.num_tokens(rid))
-        if kv != request.num_tokens - 1:
+    def _check_generation(self, gen: Sequence[tuple[Request, int]]) -> int:
+        """Checks a batch's generation requests (state, cached length, drafts), the lengths in
+        one native call; returns the most drafts of any."""
+        running = self._running
+        generation = RequestState.GENERATION
+        for request, _ in gen:
+            if request.state is not generation or request.request_id not in running:
+                raise ValueError(
+                    f"request {request.request_id}: not in generation (state {request.state.value})"
+                )
+        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
+        k = int(self._manager._first_length_mismatch([r.request_id for r, _ in gen], lengths))
+        if k >= 0:
+            request = gen[k][0]
             raise ValueError(
-                f"request {rid}: the cache holds {kv} tokens but the request has "
-                f"{request.num_tokens} (expected one more: the newest token)"
+                f"request {request.request_id}: the cache holds "
+                f"{int(self._manager.num_tokens(request.request_id))} tokens but the request "
+                f"has {request.num_tokens} (expected one more: the newest token)"
             )
-        limit = self.num_draft_tokens_for(request)
-        if num_draft > limit:
-            raise ValueError(
-                f"request {rid}: {num_draft} draft tokens, at most {limit} "
-                f"allowed (max_draft_tokens {self._max_draft}, "
-                f"{request.remaining_new_tokens} tokens left to generate)"
-            )
+        most = 0
+        for request, num_draft in gen:
+            if num_draft:
+                limit = self.num_draft_tokens_for(request)
+                if num_draft > limit:
+                    raise ValueError(
+                        f"request {request.request_id}: {num_draft} draft tokens, at most "
+                        f"{limit} allowed (max_draft_tokens {self._max_draft}, "
+                        f"{request.remaining_new_tokens} tokens left to generate)"
+                    )
+                most = max(most, num_draft)
+        return most
 
-    def _add_tokens(
-        self,
-        requests: list[Request],
-        tokens: list[int],
-        grown: list[tuple[Request, int]],
-        *,
-        first: bool = False,
+    def _roll_back(
+        self, added: list[Request], gen: Sequence[tuple[Request, int]], rounds: int
     ) -> None:
-        self._manager.add_tokens([r.request_id for r in requests], tokens)
-        if first:
-            grown.extend((r, 1) for r in requests)
-        else:
-            counts = {id(r): i for i, (r, _) in enumerate(grown)}
-            for r in requests:
-                k = counts[id(r)]
-                grown[k] = (r, grown[k][1] + 1)
-
-    def _roll_back(self, added: list[Request], grown: list[tuple[Request, int]]) -> None:
-        for request, count in grown:
-            self._manager.rewind(request.request_id, count)
+        """Undoes a failed prepare_resources: the tokens of the ``rounds`` add_tokens calls
+        that ran (the newest tokens, then one draft position each), then the registrations."""
+        if rounds:
+            for request, d in gen:
+                self._manager.rewind(request.request_id, 1 + min(d, rounds - 1))
         for request in reversed(added):
             self._manager.remove_sequence(request.request_id, store_for_reuse=False)
             del self._running[request.request_id]

@@ -365,6 +365,9 @@ class KVCacheManager {
   std::int64_t GetNumSharedBlocks(WindowSize window) const;
   /// Blocks sequence `id` holds in `window` now (released positions not counted).
   std::int32_t GetNumHeldBlocks(SeqId id, WindowSize window) const;
+  /// The first i whose sequence ids[i] is not registered or does not hold lengths[i] tokens
+  /// (NumTokens), or -1: an engine's batch check that its requests and the cache agree.
+  std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
 
  private:
   // Construction (the constructor's parts).
