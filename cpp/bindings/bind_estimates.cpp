@@ -121,11 +121,11 @@ void BindScheduler(py::module_& m) {
            "Whether a request can never run: longer than max_seq_len or beyond some window's pool.")
       .def(
           "schedule",
-          [](S& self, const std::vector<SeqId>& running, const std::vector<std::int32_t>& finals,
+          [](S& self, const std::vector<SeqId>& running, const std::optional<std::vector<std::int32_t>>& finals,
              const std::optional<std::vector<std::int32_t>>& drafts, const std::vector<SeqId>& candidate_ids,
              const std::vector<std::shared_ptr<PreparedPrompt>>& contexts,
              const std::vector<std::int32_t>& candidate_finals) {
-            if (finals.size() != running.size() || (drafts && drafts->size() != running.size())) {
+            if ((finals && finals->size() != running.size()) || (drafts && drafts->size() != running.size())) {
               ThrowInvalid("schedule: running, final_tokens and drafts must pair up");
             }
             if (contexts.size() != candidate_ids.size() || candidate_finals.size() != candidate_ids.size()) {
@@ -135,7 +135,7 @@ void BindScheduler(py::module_& m) {
             for (std::size_t k = 0; k < candidates.size(); ++k) {
               candidates[k] = AdmissionCandidate{candidate_ids[k], contexts[k].get(), candidate_finals[k]};
             }
-            StepPlan p = self.Schedule(running.data(), finals.data(), drafts ? drafts->data() : nullptr,
+            StepPlan p = self.Schedule(running.data(), finals ? finals->data() : nullptr, drafts ? drafts->data() : nullptr,
                                        running.size(), candidates.data(), candidates.size());
             return py::make_tuple(p.generation, p.drafts, p.chunks, p.chunk_sizes, p.admitted, p.admitted_chunks,
                                   p.paused, p.rejected);
@@ -220,6 +220,10 @@ void BindEstimates(py::module_& m) {
           "get_num_held_blocks",
           [](const M& self, RequestId id, WindowSizeArg w) { return self.GetNumHeldBlocks(id.value, w.value); },
           py::arg("request_id"), py::arg("window_size"), "Blocks the sequence holds in the window now.")
+      .def(
+          "_set_final_tokens", [](M& self, RequestId id, FinalTokens n) { self.SetFinalTokens(id.value, n.value); },
+          py::arg("request_id"), py::arg("final_tokens"),
+          "Records the most tokens the sequence will hold (prompt + max_new_tokens - 1), for the estimates.")
       .def(
           "_first_length_mismatch",
           [](const M& self, const py::handle& ids, const py::handle& lengths) {

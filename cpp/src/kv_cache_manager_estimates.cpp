@@ -123,7 +123,8 @@ std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, c
   std::vector<std::int64_t> out(windows_.size(), 0);
   for (std::size_t i = 0; i < n; ++i) {
     const Sequence& seq = Find(ids[i]);
-    const std::int64_t final = prefill_only ? seq.prompt_len : final_tokens[i];
+    const std::int64_t own = seq.final_tokens > 0 ? seq.final_tokens : max_seq_len_;
+    const std::int64_t final = prefill_only ? seq.prompt_len : final_tokens != nullptr ? final_tokens[i] : own;
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       out[w] += bm::RemainingBlocks(seq.num_tokens, seq.prompt_len, final, chunk, seq.windows[w].front_null, keep_[w],
                                     tpb_);
@@ -208,6 +209,16 @@ std::int32_t KVCacheManager::GetNumHeldBlocks(SeqId id, WindowSize window) const
   const std::size_t w = WindowIndex(window);
   const SequenceWindow& sw = Find(id).windows[w];
   return static_cast<std::int32_t>(sw.blocks.size()) - sw.front_null;
+}
+
+void KVCacheManager::SetFinalTokens(SeqId id, std::int32_t final_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Sequence& seq = Find(id);
+  if (final_tokens < seq.num_tokens || final_tokens > max_seq_len_) {
+    ThrowInvalid("request ", id, ": final_tokens must be in ", seq.num_tokens, "..", max_seq_len_, ", got ",
+                 final_tokens);
+  }
+  seq.final_tokens = final_tokens;
 }
 
 std::int64_t KVCacheManager::FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths,

@@ -205,6 +205,12 @@ class KVCacheManager:
         """
         Test hook: a fixed clock for timed priorities (negative: the real clock).
         """
+    def _set_final_tokens(
+        self, request_id: typing.SupportsIndex, final_tokens: typing.SupportsIndex
+    ) -> None:
+        """
+        Records the most tokens the sequence will hold (prompt + max_new_tokens - 1), for the estimates.
+        """
     def _stats_dict(self) -> dict: ...
     def add_token(self, request_id: typing.SupportsIndex, token: typing.SupportsIndex) -> None:
         """
@@ -425,7 +431,7 @@ class CapacityScheduler:
     def schedule(
         self,
         running: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-        final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None,
         drafts: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None,
         candidate_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
         contexts: collections.abc.Sequence[PreparedPrompt],

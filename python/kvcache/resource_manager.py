@@ -760,6 +760,7 @@ class KVCacheResourceManager:
             )
         )
         self._prepared.pop(request.request_id, None)
+        self._manager._set_final_tokens(request.request_id, request.max_kv_tokens)
         self._running[request.request_id] = request
         request.reused_tokens = reused
         request.context_position = reused

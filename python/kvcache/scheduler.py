@@ -245,62 +245,99 @@ class CapacityScheduler:
         """
         if requests is None:
             running, waiting = self._indexed()
-        else:
-            registered = self._rm.has_request
-            running = [r for r in requests if r.state in _RUNNING and registered(r)]
-            waiting = [r for r in requests if r.state in _WAITING]
-        out = self._decide(running, waiting)
-        if requests is None:
+            out = self._decide(running, waiting)
             self._reindex(out)
-        return out
+            return out
+        running, candidates, rejected = self._scan(requests)
+        return self._decide(running, candidates, rejected, requests)
 
     # ------------------------------------------------------------------ internals
 
+    def _scan(
+        self, requests: Sequence[Request]
+    ) -> tuple[list[Request], list[Request], list[Request]]:
+        """The list form's running requests (registered, in the list's order) and admission
+        candidates (the first waiting requests that can fit, as many as the batch has room
+        for), and the waiting requests before them that never fit (now ``FAILED``). Stops as
+        soon as every registered request was seen and the candidates are complete, so the
+        waiting requests behind them cost nothing."""
+        registered = self._rm._running
+        unseen = len(registered)
+        most = self._max_batch
+        running: list[Request] = []
+        candidates: list[Request] = []
+        rejected: list[Request] = []
+        for r in requests:
+            if r.request_id in registered:
+                if r.state in _RUNNING:
+                    running.append(r)
+                unseen -= 1
+            elif r.state in _WAITING and len(candidates) < most - len(running):
+                if self._never_fits(r):
+                    r.state = RequestState.FAILED
+                    rejected.append(r)
+                else:
+                    candidates.append(r)
+            if unseen == 0 and len(candidates) >= most - len(running):
+                break
+        return running, candidates[: max(0, most - len(running))], rejected
+
     def _decide(
-        self, running: list[Request], waiting: list[Request] | deque[Request]
+        self,
+        running: list[Request],
+        waiting: Iterable[Request],
+        rejected: list[Request] | None = None,
+        source: Iterable[Request] | None = None,
     ) -> SchedulerOutput:
+        """Asks the native scheduler. ``waiting`` are the candidates in order (the index form
+        passes its whole queue, checked here until the batch is full); ``source`` the list
+        the lazily built ``waiting`` output comes from."""
         rm = self._rm
         out = SchedulerOutput()
-        out._waiting_source = waiting
-        room = self._max_batch - len(running)
+        out._waiting_source = waiting if source is None else source
         candidates: list[Request] = []
-        for r in waiting:
-            if len(candidates) >= room:
-                break
-            out._scanned += 1
-            if self._never_fits(r):
-                r.state = RequestState.FAILED
-                out.rejected.append(r)
-                continue
-            candidates.append(r)
+        if rejected is None:
+            room = self._max_batch - len(running)
+            for r in waiting:
+                if len(candidates) >= room:
+                    break
+                out._scanned += 1
+                if self._never_fits(r):
+                    r.state = RequestState.FAILED
+                    out.rejected.append(r)
+                    continue
+                candidates.append(r)
+        else:
+            candidates = list(waiting)
+            out.rejected.extend(rejected)
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
-        finals = [r.max_kv_tokens for r in running] if self._guaranteed else [0] * len(running)
-        gen, ndraft, chunked, sizes, admitted, first, paused, rejected = self._native.schedule(
+        gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
             [r.request_id for r in running],
-            finals,
+            None,
             drafts,
             [r.request_id for r in candidates],
             [rm._prompt(r) for r in candidates],
             [r.max_kv_tokens for r in candidates],
         )
         by_id = {r.request_id: r for r in running}
+        taken = out._taken
         for rid in paused:
-            self._pause(by_id[rid])
-            out.paused.append(by_id[rid])
+            r = by_id[rid]
+            self._pause(r)
+            out.paused.append(r)
+            taken.add(rid)
         batch = out.batch
         batch.generation = [(by_id[rid], d) for rid, d in zip(gen, ndraft, strict=True)]
         batch.context = [(by_id[rid], k) for rid, k in zip(chunked, sizes, strict=True)]
-        taken = out._taken
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
             batch.context.append((r, k))
             taken.add(r.request_id)
             self._fits_checked.pop(r.request_id, None)
-        for j in rejected:
+        for j in failed:
             r = candidates[j]
             r.state = RequestState.FAILED
             out.rejected.append(r)
-            taken.add(r.request_id)
             self._fits_checked.pop(r.request_id, None)
         for r in out.rejected:
             taken.add(r.request_id)
@@ -330,8 +367,10 @@ class CapacityScheduler:
     def _indexed(self) -> tuple[list[Request], deque[Request]]:
         """The index form's running and waiting requests: finished, failed or freed ones
         leave the index; the running list stays in arrival order."""
-        registered = self._rm.has_request
-        self._running = [r for r in self._running if r.state in _RUNNING and registered(r)]
+        registered = self._rm._running
+        self._running = [
+            r for r in self._running if r.state in _RUNNING and r.request_id in registered
+        ]
         queue = self._queue
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()

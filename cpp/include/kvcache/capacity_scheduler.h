@@ -62,7 +62,8 @@ class CapacityScheduler {
   const CapacitySchedulerConfig& config() const { return config_; }
 
   /// Plans the next step. `running` holds the registered requests in arrival order,
-  /// `final_tokens[i]` the most tokens running[i] ever holds and `drafts[i]` (null: none) the
+  /// `final_tokens[i]` the most tokens running[i] ever holds (null: as recorded by
+  /// KVCacheManager::SetFinalTokens) and `drafts[i]` (null: none) the
   /// draft tokens it may verify this step; `candidates` the waiting requests in arrival order.
   /// Under max_utilization paused requests are removed from the manager (stored for reuse).
   StepPlan Schedule(const SeqId* running, const std::int32_t* final_tokens, const std::int32_t* drafts,

@@ -342,8 +342,12 @@ class KVCacheManager {
   /// Summed over registered sequences ids[i]: the free blocks each may still take before it holds
   /// final_tokens[i] tokens (with `prefill_only`: before its prompt is prefilled), the rest of its
   /// prompt in chunks of at most `chunk` tokens: the peak of what it will hold less what it holds.
+  /// `final_tokens` null: each sequence's own (SetFinalTokens; max_seq_len when not set).
   std::vector<std::int64_t> GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens, std::size_t n,
                                                std::int32_t chunk, bool prefill_only) const;
+  /// Records that sequence `id` will hold at most `final_tokens` tokens (its prompt plus
+  /// max_new_tokens - 1): what GetRemainingBlocks assumes when given no final lengths.
+  void SetFinalTokens(SeqId id, std::int32_t final_tokens);
   /// The same for a prompt not registered yet, growing to `final_tokens` tokens: registering it
   /// now (its reuse plan: GetNumBlocksToAllocate) plus its growth; `use_reuse` false (with reuse
   /// on): the bound over whatever the cache holds when it registers.

@@ -92,6 +92,9 @@ struct Sequence {
   };
   mutable StoreResume store_resume;
   std::int32_t reused_tokens = 0;
+  /// Most tokens the sequence will hold (prompt + max_new_tokens - 1), for the estimates of a
+  /// scheduler; 0: unknown (max_seq_len is assumed).
+  std::int32_t final_tokens = 0;
   std::int64_t reused_blocks = 0;
   std::int64_t missed_blocks = 0;
   std::int64_t new_blocks = 0;
