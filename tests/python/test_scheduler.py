@@ -576,3 +576,90 @@ def test_max_utilization_keeps_blocks_for_prompts_being_prefilled() -> None:
         rm.manager.check_invariants()
     assert engine.paused_events == 0
     assert engine.finished == [a, b, c]
+
+
+# ----------------------------------------------------------------------------- the index form
+
+
+class IndexedEngine(Engine):
+    """The same loop with the scheduler's index: add_request at arrival, schedule()."""
+
+    def submit(self, request: Request, output: list[int]) -> None:
+        super().submit(request, output)
+        self.scheduler.add_request(request)
+
+    def step(self) -> SchedulerOutput:
+        listed = self.scheduler.schedule
+        self.scheduler.schedule = lambda _active=None: listed()  # type: ignore[method-assign]
+        try:
+            return super().step()
+        finally:
+            del self.scheduler.schedule
+
+
+def _decisions(out: SchedulerOutput) -> tuple[object, ...]:
+    batch = out.batch
+    return (
+        [(r.request_id, k) for r, k in batch.context],
+        [(r.request_id, d) for r, d in batch.generation],
+        ids(out.paused),
+        ids(out.rejected),
+        ids(out.waiting),
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [
+        ("guaranteed_no_evict", {}),
+        ("max_utilization", {}),
+        ("max_utilization", {"max_num_batched_tokens": 24, "max_chunk_size": 8}),
+        ("guaranteed_no_evict", {"max_num_batched_tokens": 16}),
+    ],
+)
+def test_index_form_decides_exactly_as_the_list_form(policy: str, options: dict[str, int]) -> None:
+    """Two managers, one driven by schedule(active), one by add_request + schedule(): the
+    same seeded arrivals give the same batches, chunk sizes, drafts, pauses, rejections and
+    waiting lists at every step (small pools, so both pause and reject)."""
+    rng = random.Random(7)
+    engines = []
+    for cls in (Engine, IndexedEngine):
+        rm = make_rm({8: 10, 64: 14}, max_batch_size=6, max_draft_tokens=2)
+        engines.append(cls(rm, CapacityScheduler(rm, policy, **options), draft_tokens=2, seed=3))
+    next_id = steps = paused = rejected = 0
+    while next_id < 160 or any(e.active for e in engines):
+        for _ in range(rng.choice([0, 0, 1, 2]) if next_id < 160 else 0):
+            prompt = [rng.randrange(40) for _ in range(rng.randint(1, 30))]
+            n = rng.randint(1, 64 - len(prompt))
+            output = [rng.randrange(40) for _ in range(n)]
+            for e in engines:
+                e.submit(Request(next_id, prompt=list(prompt), max_new_tokens=n), list(output))
+            next_id += 1
+        a, b = (e.step() for e in engines)
+        assert _decisions(a) == _decisions(b), steps
+        paused += len(a.paused)
+        rejected += len(a.rejected)
+        steps += 1
+        assert steps < 20_000
+    for e in engines:
+        assert len(e.finished) + len(e.rejected) == 160
+        for r in e.finished:
+            assert r.generated == e.outputs[r.request_id]
+    if policy == "max_utilization" and not options:
+        assert paused > 0  # the small pools really made it pause
+
+
+def test_add_request_errors_and_the_lazy_waiting_list() -> None:
+    rm = make_rm({8: 8, 64: 8})
+    sched = CapacityScheduler(rm, "guaranteed_no_evict")
+    reqs = [Request(i, prompt=[1] * 10, max_new_tokens=10) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    with pytest.raises(ValueError, match="already added"):
+        sched.add_request(reqs[0])
+    out = sched.schedule()
+    assert [r.request_id for r in out.batch.context_requests] == [0]
+    assert ids(out.waiting) == [1, 2]  # built when first read
+    running = Request(9, prompt=[1], max_new_tokens=1, state=RequestState.GENERATION)
+    with pytest.raises(ValueError, match="not waiting"):
+        sched.add_request(running)
