@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "args.h"
@@ -137,13 +138,23 @@ void BindScheduler(py::module_& m) {
             }
             StepPlan p = self.Schedule(running.data(), finals ? finals->data() : nullptr, drafts ? drafts->data() : nullptr,
                                        running.size(), candidates.data(), candidates.size());
-            return py::make_tuple(p.generation, p.drafts, p.chunks, p.chunk_sizes, p.admitted, p.admitted_chunks,
-                                  p.paused, p.rejected);
+            // Running requests by their index in `running`: the caller holds them in that order.
+            std::unordered_map<SeqId, std::int32_t> index;
+            index.reserve(running.size());
+            for (std::size_t i = 0; i < running.size(); ++i) index.emplace(running[i], static_cast<std::int32_t>(i));
+            auto positions = [&index](const std::vector<SeqId>& ids) {
+              std::vector<std::int32_t> out(ids.size());
+              for (std::size_t i = 0; i < ids.size(); ++i) out[i] = index.at(ids[i]);
+              return out;
+            };
+            return py::make_tuple(positions(p.generation), p.drafts, positions(p.chunks), p.chunk_sizes, p.admitted,
+                                  p.admitted_chunks, positions(p.paused), p.rejected);
           },
           py::arg("running"), py::arg("final_tokens"), py::arg("drafts"), py::arg("candidate_ids"),
           py::arg("contexts"), py::arg("candidate_final_tokens"),
-          "Plans one step: (generation ids, drafts, chunk ids, chunk sizes, admitted candidate indices, their "
-          "first chunks, paused ids, rejected candidate indices). Paused requests are removed from the manager.");
+          "Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, "
+          "paused, rejected candidates), requests as indices into running or the candidates. Paused requests "
+          "are removed from the manager.");
 }
 
 }  // namespace

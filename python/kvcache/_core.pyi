@@ -440,7 +440,7 @@ class CapacityScheduler:
         list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]
     ]:
         """
-        Plans one step: (generation ids, drafts, chunk ids, chunk sizes, admitted candidate indices, their first chunks, paused ids, rejected candidate indices). Paused requests are removed from the manager.
+        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager.
         """
 
 def blocks_to_run_alone(

@@ -334,12 +334,13 @@ class KVCacheResourceManager:
                 rest = request.context_len - request.context_position
                 if chunk > rest:
                     batch.context[k] = (request, rest)
-            drafts = self._check_generation(gen) if gen else 0
+            gen_ids = [r.request_id for r, _ in gen]
+            drafts = self._check_generation(gen, gen_ids) if gen else 0
             if prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
                 add = self._manager.add_tokens
-                add([r.request_id for r, _ in gen], [r.generated[-1] for r, _ in gen])
+                add(gen_ids, [r.generated[-1] for r, _ in gen])
                 rounds = 1
                 for j in range(drafts):
                     step = [r for r, d in gen if d > j]
@@ -376,7 +377,8 @@ class KVCacheResourceManager:
                     )
                 self._manager.rewind(request.request_id, rewind)
                 request.rewind_len = 0
-            request.draft_tokens = []
+            if request.draft_tokens:
+                request.draft_tokens = []
         ran: list[int] = []
         for request, _ in batch.context:
             rid = request.request_id
@@ -820,28 +822,28 @@ class KVCacheResourceManager:
                 "see ScheduledBatch.is_last_chunk)"
             )
 
-    def _check_generation(self, gen: Sequence[tuple[Request, int]]) -> int:
-        """Checks a batch's generation requests (state, cached length, drafts), the lengths in
-        one native call; returns the most drafts of any."""
-        running = self._running
+    def _check_generation(self, gen: Sequence[tuple[Request, int]], ids: list[int]) -> int:
+        """Checks a batch's generation requests (state, registration and cached length in one
+        native call, drafts); returns the most drafts of any."""
         generation = RequestState.GENERATION
-        for request, _ in gen:
-            if request.state is not generation or request.request_id not in running:
+        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
+        k = int(self._manager._first_length_mismatch(ids, lengths))
+        if k < 0 and any(r.state is not generation for r, _ in gen):
+            k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
+        if k >= 0:
+            request = gen[k][0]
+            if request.state is not generation or request.request_id not in self._running:
                 raise ValueError(
                     f"request {request.request_id}: not in generation (state {request.state.value})"
                 )
-        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
-        k = int(self._manager._first_length_mismatch([r.request_id for r, _ in gen], lengths))
-        if k >= 0:
-            request = gen[k][0]
             raise ValueError(
                 f"request {request.request_id}: the cache holds "
                 f"{int(self._manager.num_tokens(request.request_id))} tokens but the request "
                 f"has {request.num_tokens} (expected one more: the newest token)"
             )
-        most = 0
-        for request, num_draft in gen:
-            if num_draft:
+        most = max(d for _, d in gen)
+        if most:
+            for request, num_draft in gen:
                 limit = self.num_draft_tokens_for(request)
                 if num_draft > limit:
                     raise ValueError(
@@ -849,7 +851,6 @@ class KVCacheResourceManager:
                         f"{limit} allowed (max_draft_tokens {self._max_draft}, "
                         f"{request.remaining_new_tokens} tokens left to generate)"
                     )
-                most = max(most, num_draft)
         return most
 
     def _roll_back(

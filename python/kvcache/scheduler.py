@@ -319,16 +319,15 @@ class CapacityScheduler:
             [rm._prompt(r) for r in candidates],
             [r.max_kv_tokens for r in candidates],
         )
-        by_id = {r.request_id: r for r in running}
         taken = out._taken
-        for rid in paused:
-            r = by_id[rid]
+        for i in paused:
+            r = running[i]
             self._pause(r)
             out.paused.append(r)
-            taken.add(rid)
+            taken.add(r.request_id)
         batch = out.batch
-        batch.generation = [(by_id[rid], d) for rid, d in zip(gen, ndraft, strict=True)]
-        batch.context = [(by_id[rid], k) for rid, k in zip(chunked, sizes, strict=True)]
+        batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
+        batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
             batch.context.append((r, k))
