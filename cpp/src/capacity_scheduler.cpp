@@ -46,8 +46,11 @@ bool CapacityScheduler::NeverFits(std::int32_t context_len, std::int32_t final_t
 std::int64_t CapacityScheduler::PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n,
                                             StepPlan* plan) {
   std::int64_t left = config_.max_num_batched_tokens;
+  num_tokens_.resize(n);
+  prompt_len_.resize(n);
+  manager_->GetProgress(running, n, num_tokens_.data(), prompt_len_.data());
   for (std::size_t i = 0; i < n; ++i) {  // generation first: one token each plus drafts
-    if (manager_->NumTokens(running[i]) < manager_->PromptLength(running[i])) continue;
+    if (num_tokens_[i] < prompt_len_[i]) continue;
     const std::int32_t d = drafts != nullptr ? drafts[i] : 0;
     if (left >= 0 && 1 + d > left) continue;
     plan->generation.push_back(running[i]);
@@ -55,7 +58,7 @@ std::int64_t CapacityScheduler::PlanRunning(const SeqId* running, const std::int
     if (left >= 0) left -= 1 + d;
   }
   for (std::size_t i = 0; i < n; ++i) {  // then continuing prefills
-    const std::int64_t rest = manager_->PromptLength(running[i]) - manager_->NumTokens(running[i]);
+    const std::int64_t rest = static_cast<std::int64_t>(prompt_len_[i]) - num_tokens_[i];
     if (rest <= 0) continue;
     const std::int32_t size = ChunkFor(rest, left);
     if (size <= 0) continue;
@@ -102,8 +105,8 @@ std::vector<std::int64_t> CapacityScheduler::FitRunning(std::vector<SeqId>* runn
     plan->paused.push_back(victim);
   }
   std::vector<SeqId> prefilling;
-  for (const SeqId id : *running) {
-    if (manager_->NumTokens(id) < manager_->PromptLength(id)) prefilling.push_back(id);
+  for (std::size_t i = 0; i < running->size(); ++i) {  // running keeps its order: a prefix of the input
+    if (num_tokens_[i] < prompt_len_[i]) prefilling.push_back((*running)[i]);
   }
   if (!prefilling.empty()) {
     // What the decodes take plus what the prompts being prefilled still need until their last
@@ -128,17 +131,16 @@ void CapacityScheduler::Admit(const AdmissionCandidate* candidates, std::size_t 
     if (num_running + admitted >= static_cast<std::size_t>(config_.max_batch_size)) break;
     const auto context_len = static_cast<std::int64_t>(c.context->tokens.size());
     const std::size_t batch = plan->generation.size() + plan->chunks.size() + admitted;
-    std::int32_t size = 0;
-    if (!config_.chunked_prefill) {  // a whole prompt must fit the budget unless the step is empty
-      size = (left < 0 || context_len <= left || batch == 0) ? static_cast<std::int32_t>(context_len) : 0;
-    } else if (left != 0) {
-      size = ChunkFor(context_len - manager_->GetReusablePrefixLength(*c.context), left);
-    }
-    if (size <= 0) break;
+    if (config_.chunked_prefill && left == 0) break;
+    if (!config_.chunked_prefill && left >= 0 && context_len > left && batch > 0) break;  // whole prompts
     // Exact reuse only for the first admission of the step: the blocks it takes may evict the
-    // cached prefix a later one hoped for.
-    const std::vector<std::int64_t> need =
-        manager_->GetPromptRemainingBlocks(*c.context, c.final_tokens, config_.chunk, admitted == 0, !guaranteed);
+    // cached prefix a later one hoped for. The same lookup gives the reusable prefix.
+    std::int32_t reusable = 0;
+    const std::vector<std::int64_t> need = manager_->GetPromptRemainingBlocks(
+        *c.context, c.final_tokens, config_.chunk, admitted == 0, !guaranteed, &reusable);
+    const std::int32_t size = config_.chunked_prefill ? ChunkFor(context_len - reusable, left)
+                                                      : static_cast<std::int32_t>(context_len);
+    if (size <= 0) break;
     for (std::size_t w = 0; w < windows_.size(); ++w) wanted[w] = committed[w] + need[w];
     if (Fits(wanted)) {
       committed = wanted;

@@ -149,14 +149,20 @@ void KVCacheManager::PromptRegistration(const PreparedPrompt& prompt, std::int64
 
 std::vector<std::int64_t> KVCacheManager::GetPromptRemainingBlocks(const PreparedPrompt& prompt,
                                                                    std::int32_t final_tokens, std::int32_t chunk,
-                                                                   bool use_reuse, bool prefill_only) const {
+                                                                   bool use_reuse, bool prefill_only,
+                                                                   std::int32_t* reusable) const {
   std::lock_guard<std::mutex> lock(mu_);
   CheckPrepared(prompt);
   const auto n = static_cast<std::int64_t>(prompt.tokens.size());
   const std::int64_t final = prefill_only ? n : std::max<std::int64_t>(final_tokens, n);
   const std::int64_t size = chunk <= 0 ? n : std::min<std::int64_t>(chunk, n);
   const bool bound = reuse_ && !use_reuse;
-  if (!bound) PromptRegistration(prompt, size, &registration_);
+  if (!bound) {
+    PromptRegistration(prompt, size, &registration_);
+    if (reusable != nullptr) *reusable = plan_.reused_tokens;
+  } else if (reusable != nullptr) {
+    *reusable = PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt).reused_tokens;
+  }
   std::vector<std::int64_t> out(windows_.size(), 0);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     out[w] = bm::PeakNew(n, size, final, bound ? nullptr : &registration_[w], window_sizes_[w], keep_[w], tpb_);
@@ -209,6 +215,16 @@ std::int32_t KVCacheManager::GetNumHeldBlocks(SeqId id, WindowSize window) const
   const std::size_t w = WindowIndex(window);
   const SequenceWindow& sw = Find(id).windows[w];
   return static_cast<std::int32_t>(sw.blocks.size()) - sw.front_null;
+}
+
+void KVCacheManager::GetProgress(const SeqId* ids, std::size_t n, std::int32_t* num_tokens,
+                                 std::int32_t* prompt_len) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::size_t i = 0; i < n; ++i) {
+    const Sequence& seq = Find(ids[i]);
+    num_tokens[i] = seq.num_tokens;
+    prompt_len[i] = seq.prompt_len;
+  }
 }
 
 void KVCacheManager::SetFinalTokens(SeqId id, std::int32_t final_tokens) {

@@ -828,7 +828,7 @@ class KVCacheResourceManager:
         generation = RequestState.GENERATION
         lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
         k = int(self._manager._first_length_mismatch(ids, lengths))
-        if k < 0 and any(r.state is not generation for r, _ in gen):
+        if k < 0 and [r for r, _ in gen if r.state is not generation]:
             k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
         if k >= 0:
             request = gen[k][0]

@@ -61,6 +61,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -267,7 +268,12 @@ class CapacityScheduler:
         running: list[Request] = []
         candidates: list[Request] = []
         rejected: list[Request] = []
-        for r in requests:
+        start = 0
+        head = requests[:unseen]
+        if registered.keys() == {r.request_id for r in head}:  # the usual order: running first
+            running = [r for r in head if r.state in _RUNNING]
+            start, unseen = unseen, 0
+        for r in itertools.islice(requests, start, None):
             if r.request_id in registered:
                 if r.state in _RUNNING:
                     running.append(r)

@@ -95,6 +95,9 @@ class CapacityScheduler {
   KVCacheManager* manager_;
   CapacitySchedulerConfig config_;
   std::vector<WindowSize> windows_;
+  // PlanRunning's progress of the running requests (kept: no allocation per step).
+  std::vector<std::int32_t> num_tokens_;
+  std::vector<std::int32_t> prompt_len_;
 };
 
 }  // namespace kvcache

@@ -351,8 +351,10 @@ class KVCacheManager {
   /// The same for a prompt not registered yet, growing to `final_tokens` tokens: registering it
   /// now (its reuse plan: GetNumBlocksToAllocate) plus its growth; `use_reuse` false (with reuse
   /// on): the bound over whatever the cache holds when it registers.
+  /// `reusable` (optional) receives GetReusablePrefixLength(prompt), from the same lookup.
   std::vector<std::int64_t> GetPromptRemainingBlocks(const PreparedPrompt& prompt, std::int32_t final_tokens,
-                                                     std::int32_t chunk, bool use_reuse, bool prefill_only) const;
+                                                     std::int32_t chunk, bool use_reuse, bool prefill_only,
+                                                     std::int32_t* reusable = nullptr) const;
   /// Free blocks registering `prompt` with a first chunk of `chunk` tokens after its reused prefix
   /// takes now (GetNumBlocksToAllocate); with `credit_releases`, a sliding window is charged every
   /// position the chunk holds (sharing reused blocks voids their holders' release credits);
@@ -369,6 +371,9 @@ class KVCacheManager {
   std::int64_t GetNumSharedBlocks(WindowSize window) const;
   /// Blocks sequence `id` holds in `window` now (released positions not counted).
   std::int32_t GetNumHeldBlocks(SeqId id, WindowSize window) const;
+  /// For each registered sequence ids[i]: the tokens that have blocks and its prompt length
+  /// (NumTokens and PromptLength of a batch under one lock).
+  void GetProgress(const SeqId* ids, std::size_t n, std::int32_t* num_tokens, std::int32_t* prompt_len) const;
   /// The first i whose sequence ids[i] is not registered or does not hold lengths[i] tokens
   /// (NumTokens), or -1: an engine's batch check that its requests and the cache agree.
   std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
