@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -79,6 +80,7 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 #: Scheduling policies.
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
+_request_id = operator.attrgetter("request_id")
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
 
 
@@ -270,8 +272,10 @@ class CapacityScheduler:
         rejected: list[Request] = []
         start = 0
         head = requests[:unseen]
-        if registered.keys() == {r.request_id for r in head}:  # the usual order: running first
-            running = [r for r in head if r.state in _RUNNING]
+        if len(head) == unseen and all(map(registered.__contains__, map(_request_id, head))):
+            # The usual order: the registered requests first.
+            gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
+            running = [r for r in head if (state := r.state) is gen or state is ctx]
             start, unseen = unseen, 0
         for r in itertools.islice(requests, start, None):
             if r.request_id in registered:
