@@ -45,6 +45,11 @@ so the same script measures a rewritten scheduler or resource manager unchanged.
     (``SchedulerOutput.waiting``) and batch size, per ``N``. A flat step cost means the step
     does not walk the whole queue.
 
+``--batch-form`` runs (a) or (b) with the batch form of the step: the scheduler's index form
+(``add_request`` at arrival, ``schedule()``) and ``prepare_resources(batch, next_tokens=...)``
+with the step's newest tokens as one list (built inside the timed part), which skips the
+per-request consistency check of the request objects. Needs this commit's kvcache.
+
 (c) ``--compare PYTHON``: runs the benchmark chosen by the other flags (replay, or
     ``--waiting``) under this interpreter and under ``PYTHON`` (e.g. a venv holding an older
     build of kvcache), each in a subprocess that prints its results as JSON on stdout,
@@ -174,19 +179,25 @@ def run_engine(
     lend: bool,
     warmup: int = 0,
     max_steps: int | None = None,
+    batch_form: bool = False,
 ) -> EngineRun:
     """Steps the engine until every request is done (or ``max_steps`` steps were measured
-    after ``warmup`` untimed ones), mirroring ``kvcache.simulate``'s loop."""
+    after ``warmup`` untimed ones), mirroring ``kvcache.simulate``'s loop. ``batch_form``:
+    the scheduler's index form (``add_request``, ``schedule()``) and ``prepare_resources(batch,
+    next_tokens=...)`` with the newest tokens as one list (built inside the timed part)."""
     rm, sched = build(policy, max_seq_len, lend)
     manager = rm.manager
     run = EngineRun(policy, requests=len(reqs))
     ns = run.ns
     clock = time.thread_time_ns
     active = list(reqs)  # every request arrives at step 0, in id order
+    if batch_form:
+        for r in reqs:
+            sched.add_request(r)
     wall0 = time.perf_counter()
     while active and (max_steps is None or run.steps < warmup + max_steps):
         t0 = clock()
-        out = sched.schedule(active)
+        out = sched.schedule() if batch_form else sched.schedule(active)
         t1 = clock()
         batch = out.batch
         if len(batch) == 0 and not out.rejected and not out.paused:
@@ -194,7 +205,10 @@ def run_engine(
                 f"step {run.steps}: nothing can be scheduled although {len(active)} requests "
                 "wait; the pools are too small for the workload"
             )
-        rm.prepare_resources(batch)
+        if batch_form:
+            rm.prepare_resources(batch, next_tokens=[r.generated[-1] for r, _ in batch.generation])
+        else:
+            rm.prepare_resources(batch)
         t2 = clock()
         for r in batch.context_requests:  # the model (not timed)
             if batch.is_last_chunk(r):
@@ -290,7 +304,9 @@ def bench_replay(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     for policy in args.policies:
         reqs = make_requests(n, args.seed)  # fresh requests: a run changes their state
         max_seq_len = max_seq_len_of(reqs)
-        results[policy] = summarize(run_engine(reqs, policy, max_seq_len, lend=not args.no_lend))
+        results[policy] = summarize(
+            run_engine(reqs, policy, max_seq_len, lend=not args.no_lend, batch_form=args.batch_form)
+        )
     print(
         f"(a) engine step: {n:,} requests (bench_reuse's trace), windows {SWA} and full "
         f"({max_seq_len:,}), {TPB}-token blocks, {TOTAL_BLOCKS:,} blocks split equally"
@@ -349,6 +365,7 @@ def bench_waiting(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
                 lend=not args.no_lend,
                 warmup=args.warmup,
                 max_steps=args.steps,
+                batch_form=args.batch_form,
             )
             results[policy][str(n)] = summarize(run)
     print(
@@ -507,6 +524,11 @@ def main() -> None:
         help="run under this interpreter and PYTHON in alternating rounds; print both",
     )
     parser.add_argument("--rounds", type=int, default=5, help="--compare: rounds (default 5)")
+    parser.add_argument(
+        "--batch-form",
+        action="store_true",
+        help="the batch form: add_request + schedule(), prepare_resources(next_tokens=...)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
     args = parser.parse_args()
     args.policies = POLICIES if args.policy == "both" else (args.policy,)

@@ -4,6 +4,28 @@
 Every count is the native manager's own (``KVCacheManager.get_step_needs``,
 ``get_remaining_blocks``, ``get_prompt_remaining_blocks``, ...), computed from its real state;
 this module only maps requests to those calls. See :mod:`kvcache.resource_manager`.
+
+Block estimates are the native manager's own (``KVCacheManager.get_step_needs``,
+``get_remaining_blocks``, ``get_prompt_remaining_blocks``, ...): the manager computes them under
+its lock from its real state (block lists, released fronts, reference counts) with the rules of
+``block_math.h``, the same rules its calls follow (``keep`` = window + ``max_draft_tokens``; a
+full-attention window never releases):
+
+* registering a prompt with a reused prefix of ``R`` tokens gives every window the positions
+  up to ``R + chunk`` (the whole prompt without chunking), except that a sliding window ``w``
+  gets no block for the first ``max(0, R - w) // tokens_per_block`` positions;
+* a later chunk that starts at ``n`` tokens first releases the front blocks wholly below
+  ``n + 1 - keep`` (no query of the chunk attends them), then takes the blocks its tokens
+  start, so a sliding window holds at most ``ceil((keep + chunk - 1) / tokens_per_block) + 1``
+  blocks per sequence during prefill, whatever the prompt length;
+* every generated or draft token that starts a block takes one more block in every window,
+  and after each appended token a sliding window releases the front blocks whose positions
+  are all below ``num_tokens - keep`` (released before anything is allocated).
+
+A released block that another holder (a running request, a pin) keeps frees nothing, so it is
+not credited; :meth:`KVCacheResourceManager.get_num_shared_blocks` counts such extra holdings
+from the real reference counts, which the scheduler keeps in reserve. Nothing of the block
+state is mirrored here: the resource manager keeps only which requests it registered.
 """
 
 from __future__ import annotations

@@ -25,27 +25,9 @@ the newest generated token is not cached yet. A request that generates ``max_new
 tokens therefore peaks at ``prompt_len + max_new_tokens - 1`` cached tokens (plus nothing for
 drafts, which are capped at what is left to generate).
 
-Block estimates are the native manager's own (``KVCacheManager.get_step_needs``,
-``get_remaining_blocks``, ``get_prompt_remaining_blocks``, ...): the manager computes them under
-its lock from its real state (block lists, released fronts, reference counts) with the rules of
-``block_math.h``, the same rules its calls follow (``keep`` = window + ``max_draft_tokens``; a
-full-attention window never releases):
-
-* registering a prompt with a reused prefix of ``R`` tokens gives every window the positions
-  up to ``R + chunk`` (the whole prompt without chunking), except that a sliding window ``w``
-  gets no block for the first ``max(0, R - w) // tokens_per_block`` positions;
-* a later chunk that starts at ``n`` tokens first releases the front blocks wholly below
-  ``n + 1 - keep`` (no query of the chunk attends them), then takes the blocks its tokens
-  start, so a sliding window holds at most ``ceil((keep + chunk - 1) / tokens_per_block) + 1``
-  blocks per sequence during prefill, whatever the prompt length;
-* every generated or draft token that starts a block takes one more block in every window,
-  and after each appended token a sliding window releases the front blocks whose positions
-  are all below ``num_tokens - keep`` (released before anything is allocated).
-
-A released block that another holder (a running request, a pin) keeps frees nothing, so it is
-not credited; :meth:`KVCacheResourceManager.get_num_shared_blocks` counts such extra holdings
-from the real reference counts, which the scheduler keeps in reserve. Nothing of the block
-state is mirrored here: the resource manager keeps only which requests it registered.
+Block estimates are the native manager's own, computed from its real state with the rules its
+calls follow (see :mod:`kvcache.estimates`). Nothing of the block state is mirrored here: the
+resource manager keeps only which requests it registered.
 
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
@@ -251,8 +233,17 @@ class KVCacheResourceManager(ResourceEstimates):
 
     # ------------------------------------------------------------------ step hooks
 
-    def prepare_resources(self, batch: ScheduledBatch) -> None:
+    def prepare_resources(
+        self, batch: ScheduledBatch, *, next_tokens: Sequence[int] | None = None
+    ) -> None:
         """Gives every request of the batch the blocks its step needs; all or nothing.
+
+        ``next_tokens`` (the batch form): the newest generated token of each generation
+        request, in ``batch.generation`` order, as a sequence or 1-D integer array (the
+        model's sampled tokens). The manager appends those instead of each request's
+        ``generated[-1]`` and checks the requests natively (registered, decoding), so nothing
+        is read from the request objects per request; without it every request's state and
+        cached length are checked against its ``generated`` tokens.
 
         A context request's first chunk registers its :meth:`Request.context_tokens` with
         ``add_sequence(..., prefill=chunk)`` (the whole prompt when the chunk covers it) and
@@ -270,9 +261,16 @@ class KVCacheResourceManager(ResourceEstimates):
 
         Raises:
             ValueError: A request in the wrong state, whose cached length disagrees with its
-                generated tokens, or whose ``context_position`` disagrees with the cache.
+                generated tokens, or whose ``context_position`` disagrees with the cache;
+                ``next_tokens`` not one per generation request.
+            KeyError: (with ``next_tokens``) a generation request that holds no blocks.
             OutOfBlocksError: Some window lacks blocks; nothing was changed.
         """
+        if next_tokens is not None and len(next_tokens) != len(batch.generation):
+            raise ValueError(
+                f"next_tokens has {len(next_tokens)} tokens for {len(batch.generation)} "
+                "generation requests: give one per request, in batch.generation order"
+            )
         added: list[Request] = []
         rounds = 0  # add_tokens calls done for the generation requests
         original = list(batch.context)
@@ -290,12 +288,15 @@ class KVCacheResourceManager(ResourceEstimates):
                 if chunk > rest:
                     batch.context[k] = (request, rest)
             gen_ids = [r.request_id for r, _ in gen]
-            drafts = self._check_generation(gen, gen_ids) if gen else 0
+            if next_tokens is None and gen:
+                self._check_generation(gen, gen_ids)
+            drafts = self._check_drafts(gen) if gen else 0
             if prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
                 add = self._manager.add_tokens
-                add(gen_ids, [r.generated[-1] for r, _ in gen])
+                newest = [r.generated[-1] for r, _ in gen] if next_tokens is None else next_tokens
+                add(gen_ids, newest)
                 rounds = 1
                 for j in range(drafts):
                     step = [r for r, d in gen if d > j]
@@ -441,9 +442,9 @@ class KVCacheResourceManager(ResourceEstimates):
                 "see ScheduledBatch.is_last_chunk)"
             )
 
-    def _check_generation(self, gen: Sequence[tuple[Request, int]], ids: list[int]) -> int:
-        """Checks a batch's generation requests (state, registration and cached length in one
-        native call, drafts); returns the most drafts of any."""
+    def _check_generation(self, gen: Sequence[tuple[Request, int]], ids: list[int]) -> None:
+        """Checks a batch's generation requests: state, registration and cached length (one
+        native call for the lengths)."""
         generation = RequestState.GENERATION
         lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
         k = int(self._manager._first_length_mismatch(ids, lengths))
@@ -460,16 +461,18 @@ class KVCacheResourceManager(ResourceEstimates):
                 f"{int(self._manager.num_tokens(request.request_id))} tokens but the request "
                 f"has {request.num_tokens} (expected one more: the newest token)"
             )
+
+    def _check_drafts(self, gen: Sequence[tuple[Request, int]]) -> int:
+        """Checks the draft counts of a batch's generation requests; returns the most."""
         most = max(d for _, d in gen)
-        if most:
-            for request, num_draft in gen:
-                limit = self.num_draft_tokens_for(request)
-                if num_draft > limit:
-                    raise ValueError(
-                        f"request {request.request_id}: {num_draft} draft tokens, at most "
-                        f"{limit} allowed (max_draft_tokens {self._max_draft}, "
-                        f"{request.remaining_new_tokens} tokens left to generate)"
-                    )
+        for request, num_draft in gen if most else ():
+            limit = self.num_draft_tokens_for(request)
+            if num_draft > limit:
+                raise ValueError(
+                    f"request {request.request_id}: {num_draft} draft tokens, at most {limit} "
+                    f"allowed (max_draft_tokens {self._max_draft}, "
+                    f"{request.remaining_new_tokens} tokens left to generate)"
+                )
         return most
 
     def _roll_back(

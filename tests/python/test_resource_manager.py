@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from kvcache import NULL_BLOCK, KvCacheConfig, ModelConfig, OutOfBlocksError
@@ -772,3 +773,70 @@ def test_remaining_and_run_alone_with_chunks() -> None:
         46: 9,
         1024: 63,
     }
+
+
+# ----------------------------------------------------------------------------- the batch form
+
+
+def _two_decoding(rm: KVCacheResourceManager) -> tuple[Request, Request]:
+    a = Request(1, prompt=list(range(8)), max_new_tokens=10)
+    b = Request(2, prompt=list(range(20, 24)), max_new_tokens=10)
+    batch = ScheduledBatch()
+    batch.add_context(a)
+    batch.add_context(b)
+    rm.prepare_resources(batch)
+    a.append_tokens([3])
+    b.append_tokens([4])
+    rm.update_resources(batch)
+    return a, b
+
+
+def test_next_tokens_appends_the_models_tokens_like_the_per_request_form() -> None:
+    """prepare_resources(batch, next_tokens=...) gives the same blocks and keys as reading
+    each request's newest token: the tokens a later request reuses are the ones given."""
+    per_request, batched = make_rm(8, 4), make_rm(8, 4)
+    for rm, form in ((per_request, False), (batched, True)):
+        a, b = _two_decoding(rm)
+        for step in range(6):
+            gen = ScheduledBatch()
+            gen.add_generation(a)
+            gen.add_generation(b)
+            if form:
+                rm.prepare_resources(gen, next_tokens=np.array([a.generated[-1], b.generated[-1]]))
+            else:
+                rm.prepare_resources(gen)
+            a.append_tokens([50 + step])
+            b.append_tokens([60 + step])
+            rm.update_resources(gen)
+        rm.manager.check_invariants()
+    for rid in (1, 2):
+        for w in per_request.window_sizes:
+            ids = per_request.manager.get_cache_block_ids(rid, w)
+            assert ids == batched.manager.get_cache_block_ids(rid, w)
+    assert [per_request.manager.num_tokens(r) for r in (1, 2)] == [14, 10]
+    assert [batched.manager.num_tokens(r) for r in (1, 2)] == [14, 10]
+    # The appended tokens were the given ones: request 1's first three blocks are reusable.
+    tokens = [*range(8), 3, 50, 51, 52]
+    for rm in (per_request, batched):
+        rm.manager.remove_sequence(1)
+        assert rm.manager.get_reusable_prefix_length([*tokens, 99]) == 12
+
+
+def test_next_tokens_errors_change_nothing() -> None:
+    rm = make_rm(8, 4)
+    a, b = _two_decoding(rm)
+    gen = ScheduledBatch()
+    gen.add_generation(a)
+    gen.add_generation(b)
+    before = [rm.manager.get_cache_block_ids(r.request_id, 256) for r in (a, b)]
+    with pytest.raises(ValueError, match="next_tokens has 1 tokens for 2 generation requests"):
+        rm.prepare_resources(gen, next_tokens=[7])
+    ghost = Request(9, prompt=[1, 2], max_new_tokens=4, state=RequestState.GENERATION)
+    bad = ScheduledBatch()
+    bad.add_generation(a)
+    bad.add_generation(ghost)
+    with pytest.raises(KeyError):
+        rm.prepare_resources(bad, next_tokens=[7, 8])
+    assert [rm.manager.get_cache_block_ids(r.request_id, 256) for r in (a, b)] == before
+    assert [rm.manager.num_tokens(r.request_id) for r in (a, b)] == [8, 4]
+    rm.manager.check_invariants()
