@@ -312,6 +312,8 @@ class CapacityScheduler:
                 if len(candidates) >= room:
                     break
                 out._scanned += 1
+                if r.state not in _WAITING:  # failed, or run by a caller: not a candidate
+                    continue
                 if self._never_fits(r):
                     r.state = RequestState.FAILED
                     out.rejected.append(r)
@@ -377,10 +379,15 @@ class CapacityScheduler:
         """The index form's running and waiting requests: finished, failed or freed ones
         leave the index; the running list stays in arrival order."""
         registered = self._rm._running
-        self._running = [
-            r for r in self._running if r.state in _RUNNING and r.request_id in registered
-        ]
+        kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
         queue = self._queue
+        if len(kept) != len(self._running):
+            # Admitted but not registered after all (a prepare_resources that failed and rolled
+            # back), or freed without finishing: back into the queue if still waiting.
+            for r in self._running:
+                if r.state in _WAITING and r.request_id not in registered:
+                    self._insert(queue, r)
+        self._running = kept
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
         return self._running, queue
@@ -393,6 +400,8 @@ class CapacityScheduler:
         kept: list[Request] = []
         for _ in range(out._scanned):  # the candidates came from the head, in order
             r = queue.popleft()
+            if r.state not in _WAITING and r.request_id not in taken:
+                continue  # failed, or run by a caller: leaves the index
             if r.request_id not in taken:
                 kept.append(r)
             elif r.state is not RequestState.FAILED:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvcache import KvCacheConfig, ModelConfig
+from kvcache import KvCacheConfig, ModelConfig, OutOfBlocksError
 from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
 from kvcache.scheduler import CapacityScheduler, SchedulerOutput
 
@@ -663,3 +663,27 @@ def test_add_request_errors_and_the_lazy_waiting_list() -> None:
     running = Request(9, prompt=[1], max_new_tokens=1, state=RequestState.GENERATION)
     with pytest.raises(ValueError, match="not waiting"):
         sched.add_request(running)
+
+
+def test_index_form_requeues_an_admission_whose_prepare_failed() -> None:
+    """A batch that prepare_resources rejects (out of blocks) is rolled back: its admitted
+    request waits again, in the index too, and is scheduled again later."""
+    rm = make_rm({8: 8, 64: 8})
+    sched = CapacityScheduler(rm, "max_utilization")
+    a = Request(0, prompt=[1] * 10, max_new_tokens=2)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert ids(out.batch.context_requests) == [0]
+    # Another engine path took the blocks meanwhile: registering fails and rolls back.
+    rm.manager.add_sequence(99, list(range(100, 132)))
+    with pytest.raises(OutOfBlocksError):
+        rm.prepare_resources(out.batch)
+    assert a.state is RequestState.WAITING and not rm.has_request(a)
+    rm.manager.remove_sequence(99, store_for_reuse=False)
+    again = sched.schedule()
+    assert ids(again.batch.context_requests) == [0]
+    rm.prepare_resources(again.batch)
+    assert rm.has_request(a)
+    failed = Request(1, prompt=[1] * 100, max_new_tokens=2)  # never fits: rejected at the head
+    sched.add_request(failed)
+    assert ids(sched.schedule().rejected) == [1]
