@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <set>
 #include <string>
 #include <tuple>
@@ -52,101 +51,6 @@ PoolKey LayerPoolKey(const ModelSpec& model, std::int32_t l) {
   const std::int32_t head_dim = model.head_dims.empty() ? model.head_dim : model.head_dims[i];
   const DType dtype = model.dtypes.empty() ? model.dtype : model.dtypes[i];
   return {heads, head_dim, dtype};
-}
-
-std::size_t RoundUp(std::size_t x, std::size_t unit) { return (x + unit - 1) / unit * unit; }
-
-/// Least common multiple, or 0 past `limit`.
-std::size_t LcmUpTo(std::size_t a, std::size_t b, std::size_t limit) {
-  const std::size_t g = std::gcd(a, b);
-  const std::size_t q = a / g;
-  if (q > limit / b) return 0;
-  return q * b;
-}
-
-/// Most blocks of one window in a slab: beyond it, lending moves too much memory at once.
-constexpr std::size_t kMaxBlocksPerSlab = 1024;
-
-/// Geometry of the arena shared by every window under lend_free_memory: each window's block
-/// interleaves its pools (each pool's part aligned to that pool's K/V slab, the block stride a
-/// multiple of every such slab, so block offsets stay whole slabs); a slab of the arena is the
-/// least common multiple of the windows' strides; the arena is as many slabs as the windows'
-/// blocks fill, apportioned to the windows by their bytes (at least one slab each).
-std::vector<SharedPrimary> PlanSharedPrimary(const std::vector<std::vector<PoolLayout>>& window_pools,
-                                             const std::vector<WindowSize>& windows,
-                                             const std::map<WindowSize, WindowBlocks>& blocks,
-                                             const std::map<WindowSize, std::int32_t>& disk_blocks,
-                                             std::size_t* arena_bytes) {
-  const std::size_t n = windows.size();
-  std::vector<SharedPrimary> out(n);
-  std::size_t slab = 1;
-  std::size_t budget = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    std::size_t offset = 0;
-    std::size_t unit = 1;
-    for (const PoolLayout& pool : window_pools[w]) {
-      const std::size_t kv_slab = pool.SlabBytes();
-      offset = RoundUp(offset, kv_slab);
-      out[w].pool_offsets.push_back(offset);
-      offset += pool.BlockBytes();
-      unit = LcmUpTo(unit, kv_slab, std::numeric_limits<std::size_t>::max() / 2);
-      if (unit == 0) ThrowInvalid("lend_free_memory: the pools of window ", windows[w], " have no common block size");
-    }
-    out[w].block_stride = RoundUp(offset, unit);
-    slab = LcmUpTo(slab, out[w].block_stride, out[w].block_stride * kMaxBlocksPerSlab);
-    if (slab == 0) {
-      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
-                   " blocks of any window, so they cannot lend each other memory");
-    }
-    budget += out[w].block_stride * static_cast<std::size_t>(blocks.at(windows[w]).primary);
-  }
-  for (std::size_t w = 0; w < n; ++w) {
-    if (slab / out[w].block_stride > kMaxBlocksPerSlab) {
-      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
-                   " blocks of any window, so they cannot lend each other memory");
-    }
-  }
-  const std::size_t num_slabs = budget / slab;
-  if (num_slabs < n) {
-    ThrowInvalid("lend_free_memory: the primary blocks make ", num_slabs, " slab(s) of ", slab,
-                 " bytes, fewer than one per window (", n, ")");
-  }
-  // Largest remainder, then at least one slab per window (taken from the largest).
-  std::vector<std::int64_t> owned(n);
-  std::vector<std::pair<double, std::size_t>> rest;
-  std::int64_t given = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    const double exact = static_cast<double>(out[w].block_stride) * blocks.at(windows[w]).primary / static_cast<double>(slab);
-    owned[w] = static_cast<std::int64_t>(exact);
-    given += owned[w];
-    rest.emplace_back(-(exact - static_cast<double>(owned[w])), w);
-  }
-  std::sort(rest.begin(), rest.end());
-  for (std::size_t i = 0; given < static_cast<std::int64_t>(num_slabs); ++i, ++given) ++owned[rest[i % n].second];
-  for (std::size_t w = 0; w < n; ++w) {
-    while (owned[w] < 1) {
-      const auto big = static_cast<std::size_t>(std::max_element(owned.begin(), owned.end()) - owned.begin());
-      --owned[big];
-      ++owned[w];
-    }
-  }
-  std::int64_t first = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    SharedPrimary& sp = out[w];
-    sp.blocks_per_slab = static_cast<std::int32_t>(slab / sp.block_stride);
-    sp.num_slabs = static_cast<std::int32_t>(num_slabs);
-    sp.first_slab = static_cast<std::int32_t>(first);
-    sp.owned_slabs = static_cast<std::int32_t>(owned[w]);
-    first += owned[w];
-    const auto disk = disk_blocks.find(windows[w]);
-    const std::int64_t ids = static_cast<std::int64_t>(num_slabs) * sp.blocks_per_slab +
-                             blocks.at(windows[w]).secondary + (disk == disk_blocks.end() ? 0 : disk->second);
-    if (ids > std::numeric_limits<std::int32_t>::max()) {
-      ThrowInvalid("lend_free_memory: window ", windows[w], " would span ", ids, " block ids, more than 2**31 - 1");
-    }
-  }
-  *arena_bytes = num_slabs * slab;
-  return out;
 }
 
 /// blocks_per_window must name exactly `windows`, with valid block counts, and
@@ -220,8 +124,6 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
   MakeWindows(config, PlanPools(model, layer_window));
-  borrow_.assign(window_sizes_.size(), 0);
-  lendable_.assign(window_sizes_.size(), 0);
   check_need_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
@@ -273,15 +175,7 @@ std::vector<std::vector<PoolLayout>> KVCacheManager::PlanPools(const ModelSpec& 
 }
 
 void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools) {
-  lending_ = config.lend_free_memory && window_sizes_.size() > 1;
-  std::vector<SharedPrimary> shared;
-  if (lending_) {
-    shared = PlanSharedPrimary(window_pools, window_sizes_, config.blocks_per_window, config.disk_blocks_per_window,
-                               &arena_.bytes);
-    arena_.ptr = backend_->Allocate(CacheLevel::kPrimary, arena_.bytes);
-    arena_.backend = backend_.get();
-    for (SharedPrimary& sp : shared) sp.base = static_cast<unsigned char*>(arena_.ptr);
-  }
+  lender_ = SlabLender::Make(config, window_sizes_, window_pools, backend_.get(), windows_);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
@@ -293,12 +187,11 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
     options.protected_fraction = config.protected_fraction;
-    const SharedPrimary* arena = lending_ ? &shared[w] : nullptr;
-    const std::int32_t num_primary = lending_ ? arena->num_slabs * arena->blocks_per_slab : counts.primary;
+    const WindowPrimary primary = lender_->Primary(w, counts.primary);
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w),
-                                                            std::move(window_pools[w]), num_primary, counts.secondary,
-                                                            backend_.get(), tree_.get(), options, events_.get(),
-                                                            arena));
+                                                            std::move(window_pools[w]), primary.num_primary,
+                                                            counts.secondary, backend_.get(), tree_.get(), options,
+                                                            events_.get(), primary.shared));
     const auto disk = config.disk_blocks_per_window.find(window);
     if (disk != config.disk_blocks_per_window.end() && disk->second > 0) {
       if (disk_tier == nullptr && backend_->HasMemory()) disk_tier = MakeDiskTier(config.disk_cache_dir);
@@ -314,9 +207,7 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
       events_->Push(std::move(e));
     }
   }
-  if (lending_) {  // Rebalance compares victims across windows by these keys
-    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
-  }
+  lender_->Start();
 }
 
 KVCacheManager::~KVCacheManager() = default;
@@ -432,7 +323,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       slot = wm.Onboard(slot, p.priority, p.expiry_ms, &displaced_);
       break;
   }
-  if (!displaced_.empty()) InvalidateDisplaced(seq);
+  if (!displaced_.empty()) InvalidateReleasers(displaced_, seq.id, "granted");
   return slot;
 }
 
@@ -446,144 +337,25 @@ void KVCacheManager::AttachFresh(Sequence& seq, std::size_t w, std::int32_t firs
     wm.AcquireN(p.end - j, p.priority, p.expiry_ms, slots + j, &displaced_);
     j = p.end;
   }
-  if (!displaced_.empty()) InvalidateDisplaced(seq);
+  if (!displaced_.empty()) InvalidateReleasers(displaced_, seq.id, "granted");
 }
 
-std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
-                                      const std::vector<BlockId>* keep, bool over_calls) const {
-  const WindowBlockManager& wm = *windows_[v];
-  const std::int32_t m = wm.blocks_per_slab();
-  std::int64_t slabs = wm.NumFreeSlabs();
-  // Over several calls the donor's own blocks may be taken before a slab is lent, each
-  // breaking at most one wholly free slab (with one block per slab it takes the slab anyway).
-  if (over_calls && m > 1) slabs -= need_v;
-  if (keep != nullptr) {  // wholly free slabs holding a kept block are not lent
-    std::vector<std::int32_t> kept;
-    for (const BlockId b : *keep) {
-      if (b == kNullBlock || !wm.IsPrimary(b) || !wm.policy().SlabListed(b / m)) continue;
-      if (std::find(kept.begin(), kept.end(), b / m) == kept.end()) kept.push_back(b / m);
-    }
-    slabs -= static_cast<std::int64_t>(kept.size());
+void KVCacheManager::InvalidateReleasers(const std::vector<SeqId>& releasers, SeqId except, const char* what) {
+  // Releaser lists name live sequences only (ForgetReleases runs when a sequence ends). A
+  // sequence reclaiming its own released block (`except`) is not invalidated: its record is
+  // merely stale (the generation changed), so StoreChain skips that position.
+  for (const SeqId displaced : releasers) {
+    if (displaced == except) continue;
+    auto it = sequences_.find(displaced);
+    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a ", what, " block is not live"));
+    it->second.valid_for_reuse = false;
   }
-  return std::max<std::int64_t>(0, std::min(slabs, (available_v - need_v) / m));
 }
 
-std::int64_t KVCacheManager::FirstUnserved(const std::vector<std::int64_t>& need,
-                                           const std::vector<std::int64_t>& available,
-                                           const std::vector<std::vector<BlockId>>* keep, bool over_calls,
-                                           std::vector<std::int64_t>* borrow,
-                                           std::vector<std::int64_t>* lendable) const {
-  std::int64_t first_short = -1;
-  std::int64_t short_slabs = 0;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const bool short_w = available[w] < need[w];
-    if (short_w && first_short < 0) first_short = static_cast<std::int64_t>(w);
-    const std::int64_t slabs =
-        short_w && lending_ ? CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab()) : 0;
-    if (borrow != nullptr) (*borrow)[w] = slabs;
-    short_slabs += slabs;
-  }
-  if (first_short < 0 || !lending_) return first_short;
-  std::int64_t total = 0;
-  for (std::size_t v = 0; v < windows_.size(); ++v) {
-    const std::int64_t l = available[v] >= need[v]
-                               ? Lendable(v, need[v], available[v], keep == nullptr ? nullptr : &(*keep)[v], over_calls)
-                               : 0;
-    if (lendable != nullptr) (*lendable)[v] = l;
-    total += l;
-  }
-  return total >= short_slabs ? -1 : first_short;
-}
-
-std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
-                                        const std::vector<std::int64_t>& available,
-                                        const std::vector<std::vector<BlockId>>* keep) {
-  const std::int64_t short_w = FirstUnserved(need, available, keep, /*over_calls=*/false, &borrow_, &lendable_);
-  if (short_w >= 0) std::fill(borrow_.begin(), borrow_.end(), 0);
-  return short_w;
-}
-
-void KVCacheManager::MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab) {
-  windows_[donor]->LendSlab(slab, &lent_displaced_);
-  windows_[w]->AdoptSlab(slab);
-  ++lent_slabs_;
-}
-
-void KVCacheManager::InvalidateLent() {
+void KVCacheManager::MoveSlabs() {
   // A sequence that released a lent block out of window lost that content, as if another
   // sequence had reclaimed it (its own included: the bytes now belong to another window).
-  for (const SeqId displaced : lent_displaced_) {
-    auto it = sequences_.find(displaced);
-    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a lent block is not live"));
-    it->second.valid_for_reuse = false;
-  }
-  lent_displaced_.clear();
-}
-
-void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
-  if (!lending_) return;  // nothing is borrowed, nothing was lent
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    for (; borrow_[w] > 0; --borrow_[w]) {
-      std::size_t donor = windows_.size();
-      for (std::size_t v = 0; v < windows_.size(); ++v) {
-        if (v != w && lendable_[v] > 0 && (donor == windows_.size() || lendable_[v] > lendable_[donor])) donor = v;
-      }
-      KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " has no slab to borrow"));
-      --lendable_[donor];
-      MoveSlab(donor, w, windows_[donor]->SlabToLend(keep == nullptr ? nullptr : &(*keep)[donor]));
-    }
-  }
-  InvalidateLent();
-}
-
-void KVCacheManager::Rebalance() {
-  // Under "invalidate" a sliding window's eviction drops the chain below the block and a
-  // reclaimed out-of-window block stops its releaser from storing anything, costs the keys do
-  // not see: moving eviction pressure between windows measured worse there (bench/README.md).
-  const bool move = swa_policy_ != SwaReusePolicy::kInvalidate;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    // As many scratch blocks as it evicted cached ones in the step, so that the next step's
-    // allocations need not evict its cache while other windows hold cheaper blocks.
-    const std::int64_t wanted = wm.TakeCachedEvictions();
-    while (move && wm.policy().NumScratch(CacheLevel::kPrimary) < wanted) {
-      const BlockId own = wm.policy().PeekCached(CacheLevel::kPrimary);
-      if (own == kNullBlock) break;
-      std::size_t donor = windows_.size();
-      std::int32_t slab = -1;
-      WindowBlockManager::EvictionKey best = wm.EvictionKeyOf(own);
-      for (std::size_t v = 0; v < windows_.size(); ++v) {
-        if (v == w) continue;
-        const WindowBlockManager& dm = *windows_[v];
-        const std::int32_t s = dm.CheaperSlab(best);
-        if (s < 0) continue;
-        donor = v;
-        slab = s;
-        best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
-      }
-      if (donor == windows_.size()) break;
-      MoveSlab(donor, w, slab);
-    }
-  }
-  InvalidateLent();
-}
-
-std::string KVCacheManager::LendNote(std::size_t w) const {
-  if (!lending_) return "";
-  const std::int32_t blocks = FreeBlocksLocked(w) - windows_[w]->NumFreePrimary();
-  return detail::Concat(" (counting ", blocks, " that the other windows' wholly free slabs could lend it alone)");
-}
-
-void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
-  // Releaser lists name live sequences only (ForgetReleases runs when a sequence ends). The
-  // receiving sequence reclaiming its own released block does not invalidate it: its record is
-  // merely stale (the generation changed), so StoreChain skips that position.
-  for (const SeqId displaced : displaced_) {
-    if (displaced == seq.id) continue;
-    auto it = sequences_.find(displaced);
-    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a granted block is not live"));
-    it->second.valid_for_reuse = false;
-  }
+  InvalidateReleasers(lender_->MoveSlabs(), /*except=*/-1, "lent");
 }
 
 void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why) {
@@ -802,28 +574,21 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   PromptBlocksNeeded(plan, num_blocks);
   const std::vector<std::int32_t>& need = prompt_need_;
   const std::vector<std::int32_t>& front = prompt_front_;
-  std::vector<std::vector<BlockId>> keep;
   {
     std::vector<std::int64_t>& available = check_available_;
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       check_need_[w] = need[w];
       available[w] = windows_[w]->NumFreePrimary();
     }
-    if (lending_) {  // what this call claims or copies from is not lent
-      keep.resize(windows_.size());
-      for (std::size_t w = 0; w < windows_.size(); ++w) {
-        for (std::int32_t i = front[w]; i < full; ++i) {
-          keep[w].push_back(tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
-        }
-        if (has_partial) keep[w].push_back(plan.partial_src[w]);
-      }
-    }
-    const std::int64_t short_w = PlanBlocks(check_need_, available, lending_ ? &keep : nullptr);
+    // What this call claims or copies from is not lent.
+    const KeptBlocks kept{tree_.get(), plan.path.data(), full, front.data(),
+                          has_partial ? plan.partial_src.data() : nullptr};
+    const std::int64_t short_w = lender_->PlanBlocks(check_need_, available, &kept);
     if (short_w >= 0) {
       const auto w = static_cast<std::size_t>(short_w);
       throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
                                             " blocks for a ", n, "-token prompt (", reused,
-                                            " tokens reused) but has ", available[w], " free", LendNote(w)));
+                                            " tokens reused) but has ", available[w], " free", lender_->LendNote(w)));
     }
   }
   Sequence& seq = sequences_[id];
@@ -867,7 +632,7 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   }
   // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
   // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
-  MoveSlabs(lending_ ? &keep : nullptr);
+  MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
   }
@@ -939,10 +704,11 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
     if (n == 1) {
       throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
                                             window_sizes_[w], " for ", num_tokens[0], " tokens but only ", available,
-                                            " can be freed or are free", LendNote(w)));
+                                            " can be freed or are free", lender_->LendNote(w)));
     }
     throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ", n,
-                                          " requests but only ", available, " can be freed or are free", LendNote(w)));
+                                          " requests but only ", available, " can be freed or are free",
+                                          lender_->LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: every sequence releases first (the check credited those blocks), then hands out.
@@ -985,8 +751,9 @@ void KVCacheManager::ThrowRepeated(SeqId id, const char* call) {
 }
 
 std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
-  // Releases are counted only where they matter: in a window short of free blocks, and under
-  // lending in every window (the others lend what they keep beyond their need).
+  // Releases are counted only where they matter: in a window short of free blocks and, once one
+  // is, in every window, since a lender may borrow what the others keep beyond their need.
+  // (Without lending the call fails then anyway: the other windows' counts change no answer.)
   bool short_of_blocks = false;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     std::int64_t& available = check_available_[w];
@@ -998,13 +765,11 @@ std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
     short_of_blocks = short_of_blocks || available < need;
   }
   if (!short_of_blocks) return -1;
-  if (lending_) {
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
-    }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
   }
   std::fill(check_need_.begin(), check_need_.end(), need);
-  return PlanBlocks(check_need_, check_available_);
+  return lender_->PlanBlocks(check_need_, check_available_);
 }
 
 std::int64_t KVCacheManager::FreedByBatchReleases(std::size_t w) {
@@ -1062,7 +827,8 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   if (short_w >= 0) {
     const auto w = static_cast<std::size_t>(short_w);
     throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                          " but only ", check_available_[w], " can be freed or are free", LendNote(w)));
+                                          " but only ", check_available_[w], " can be freed or are free",
+                                          lender_->LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: append, release what left each sliding window, then allocate.
@@ -1141,11 +907,11 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
     need[w] = 1;
     for (std::size_t j = keep; j < blocks.size(); ++j) available[w] += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
   }
-  const std::int64_t short_w = PlanBlocks(need, available);
+  const std::int64_t short_w = lender_->PlanBlocks(need, available);
   if (short_w >= 0) {
     throw OutOfBlocksError(detail::Concat("rewind: request ", id, " needs a private copy of a shared block in window ",
                                           window_sizes_[static_cast<std::size_t>(short_w)], " but no block is free",
-                                          LendNote(static_cast<std::size_t>(short_w))));
+                                          lender_->LendNote(static_cast<std::size_t>(short_w))));
   }
   MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
@@ -1191,25 +957,15 @@ std::vector<BlockId> KVCacheManager::GetCacheBlockIds(SeqId id, WindowSize windo
   return Find(id).windows[w].blocks;
 }
 
-std::int32_t KVCacheManager::FreeBlocksLocked(std::size_t w) const {
-  std::int64_t free = windows_[w]->NumFreePrimary();
-  if (lending_) {
-    for (std::size_t v = 0; v < windows_.size(); ++v) {
-      if (v != w) free += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
-    }
-  }
-  return static_cast<std::int32_t>(free);
-}
-
 std::int32_t KVCacheManager::GetNumFreeBlocks(WindowSize window) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return FreeBlocksLocked(WindowIndex(window));
+  return lender_->FreeBlocks(WindowIndex(window));
 }
 
 std::int32_t KVCacheManager::GetMinNumFreeBlocks() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int32_t m = FreeBlocksLocked(0);
-  for (std::size_t w = 1; w < windows_.size(); ++w) m = std::min(m, FreeBlocksLocked(w));
+  std::int32_t m = lender_->FreeBlocks(0);
+  for (std::size_t w = 1; w < windows_.size(); ++w) m = std::min(m, lender_->FreeBlocks(w));
   return m;
 }
 
@@ -1223,19 +979,12 @@ bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need)
     want[w] = std::max(n, 0);
     available[w] += std::max(-n, 0);  // a credit
   }
-  return FirstUnserved(want, available, nullptr, /*over_calls=*/true, nullptr, nullptr) < 0;
+  return lender_->ServesStep(want, available);
 }
 
 bool KVCacheManager::FitsWhenEmpty(const std::map<WindowSize, std::int32_t>& need) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int64_t slabs = 0;
-  for (const auto& [window, n] : need) {
-    const WindowBlockManager& wm = *windows_[WindowIndex(window)];
-    if (n <= 0) continue;
-    if (!lending_ && n > wm.NumOwnedPrimary()) return false;
-    if (lending_) slabs += CeilDiv(n, wm.blocks_per_slab());
-  }
-  return !lending_ || slabs <= windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
+  return lender_->FitsWhenEmpty(need, [this](WindowSize window) { return WindowIndex(window); });
 }
 
 std::int32_t KVCacheManager::GetNumUsedBlocks(WindowSize window) const {
@@ -1329,8 +1078,8 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.onboarded_blocks += wm.onboarded_blocks();
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
-  s.lent_slabs = lent_slabs_;
-  s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(arena_.bytes) : 0;
+  s.lent_slabs = lender_->lent_slabs();
+  s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(lender_->arena_bytes()) : 0;
   s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
   const auto lookups = s.reused_blocks + s.missed_blocks;
   s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
@@ -1376,15 +1125,7 @@ void KVCacheManager::CheckInvariants() const {
   }
   tree_->CheckInvariants();
   for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
-  if (lending_) {  // the windows' slabs partition the arena
-    const std::int32_t slabs = windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
-    for (std::int32_t k = 0; k < slabs; ++k) {
-      std::int32_t owners = 0;
-      for (const auto& wm : windows_) owners += wm->OwnsSlab(k) ? 1 : 0;
-      KVC_CHECK(owners == 1, detail::Concat("slab ", k, " of the shared arena has ", owners, " owners"));
-    }
-  }
-  for (const std::int64_t b : borrow_) KVC_CHECK(b == 0, "planned slab moves outlived their call");
+  lender_->CheckInvariants();
   CheckOwnership();
 }
 

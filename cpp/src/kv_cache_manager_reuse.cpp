@@ -415,7 +415,7 @@ void KVCacheManager::RefreshBlocks() {
   std::lock_guard<std::mutex> lock(mu_);
   const std::int64_t now = NowMs();
   for (auto& wm : windows_) wm->RefreshPriorities(now);
-  if (lending_) Rebalance();
+  InvalidateReleasers(lender_->Rebalance(), /*except=*/-1, "lent");
   backend_->Synchronize();  // offloads of lent cached blocks too
 }
 

@@ -21,6 +21,7 @@
 #include "kvcache/prepared_prompt.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/sequence.h"
+#include "kvcache/slab_lender.h"
 #include "kvcache/types.h"
 #include "kvcache/window_block_manager.h"
 
@@ -188,7 +189,7 @@ class KVCacheManager {
   BackendKind backend() const { return backend_->Kind(); }
   /// Primary (owned now, see lend_free_memory) and secondary blocks per window.
   std::map<WindowSize, WindowBlocks> blocks_per_window() const;
-  bool lends_free_memory() const { return lending_; }
+  bool lends_free_memory() const { return lender_->lends(); }
   /// Whether allocating blocks (AddSequence, Prefill, AddTokens, RefreshBlocks under lending) can
   /// copy KV bytes: only with a backend that has memory, and then only to or from a host or disk
   /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
@@ -378,8 +379,9 @@ class KVCacheManager {
   /// The pools of every window (its layers of one shape share a pool, one block holds all of
   /// them); fills layer_to_pool_ and pool_index_.
   std::vector<std::vector<PoolLayout>> PlanPools(const ModelSpec& model, const std::vector<WindowSize>& layer_window);
-  /// Creates the windows (in one shared arena under lend_free_memory, with the eviction clock
-  /// they share), their disk tiers and pin tables, and emits their created events.
+  /// Makes the lender (under lend_free_memory it plans and allocates the shared arena), creates
+  /// the windows in the memory it gives them, their disk tiers and pin tables, and emits their
+  /// created events.
   void MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools);
 
   struct ReusePlan {
@@ -445,9 +447,12 @@ class KVCacheManager {
   }
   [[noreturn]] static void ThrowRepeated(SeqId id, const char* call);
   /// Whether every window can hand out `need` blocks once the batch's releases are counted
-  /// (slab borrowing planned under lending): -1 if so, else the first window that cannot;
+  /// (slab borrowing planned by the lender): -1 if so, else the first window that cannot;
   /// check_available_ then holds what each window can give.
   std::int64_t ShortWindowForBatch(std::int64_t need);
+  /// Carries out the lender's plan (SlabLender::MoveSlabs) before a call changes anything else;
+  /// sequences that had released a lent block out of window become invalid for reuse.
+  void MoveSlabs();
   /// StoreContextBlocks of one sequence (the caller holds mu_).
   std::int32_t StoreContext(const Sequence& seq);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
@@ -493,7 +498,11 @@ class KVCacheManager {
   void Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why);
   /// Drops the sequence's release records from the blocks' releaser lists (it is ending).
   void ForgetReleases(const Sequence& seq);
-  void InvalidateDisplaced(const Sequence& seq);
+  /// The one door through which sequences lose released content: every live sequence in
+  /// `releasers` but `except` had released a block out of window that is now someone else's (a
+  /// `what` block: "granted" to a sequence, or "lent" to another window) and becomes invalid
+  /// for reuse.
+  void InvalidateReleasers(const std::vector<SeqId>& releasers, SeqId except, const char* what);
   /// True if block position `j` of `seq` in window `w` may be written in place: no other holder,
   /// no cached identity and no other sequence's record of its content.
   bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
@@ -523,44 +532,6 @@ class KVCacheManager {
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
-  /// The blocks check of a mutating call: window w must hand out need[w] blocks and has
-  /// available[w] (free now plus what the call releases before it allocates). Returns the first
-  /// window short of blocks, or -1. Under lending a short window may borrow wholly free slabs of
-  /// the others: a donor lends only slabs wholly free now that hold none of the blocks in
-  /// (*keep)[donor] (blocks the call claims or reads), and keeps enough for its own need. On
-  /// success borrow_ and lendable_ hold the plan, which MoveSlabs carries out before the call
-  /// changes anything else.
-  std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
-                          const std::vector<std::vector<BlockId>>* keep = nullptr);
-  /// The check behind PlanBlocks and CanAllocate: the first window that neither its own blocks
-  /// nor what the others can lend serve, or -1. Fills *borrow (slabs per short window) and
-  /// *lendable (slabs per donor) when given.
-  std::int64_t FirstUnserved(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
-                             const std::vector<std::vector<BlockId>>* keep, bool over_calls,
-                             std::vector<std::int64_t>* borrow, std::vector<std::int64_t>* lendable) const;
-  /// The one door of a slab between windows: `donor` lends `slab` (its releasers are collected
-  /// in lent_displaced_ for InvalidateLent) and window w adopts it.
-  void MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab);
-  /// What window v could lend now while keeping `need_v` of its `available_v` blocks, in slabs;
-  /// `over_calls`: the blocks are taken by several calls (CanAllocate for a whole step), so the
-  /// donor's own blocks may be taken before the slabs move.
-  std::int64_t Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
-                        const std::vector<BlockId>* keep, bool over_calls) const;
-  /// Moves the slabs PlanBlocks planned, each from the donor that can lend the most; sequences
-  /// that had released a lent block out of window become invalid for reuse.
-  void MoveSlabs(const std::vector<std::vector<BlockId>>* keep = nullptr);
-  /// Marks every sequence in lent_displaced_ invalid for reuse and clears it.
-  void InvalidateLent();
-  /// Between steps (RefreshBlocks) under lending: a window that evicted cached blocks since
-  /// the last call takes, up to that many blocks, wholly free slabs of other windows whose next
-  /// victims are cheaper to lose than its own (scratch, lower priority or longer unused). So
-  /// the windows evict, in effect, in one order, while inside a step the free blocks the
-  /// scheduler planned with stay where they were.
-  void Rebalance();
-  /// " (with N more that other windows can lend)" under lending, else "".
-  std::string LendNote(std::size_t w) const;
-  /// GetNumFreeBlocks of window index w (the lock held).
-  std::int32_t FreeBlocksLocked(std::size_t w) const;
   std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
                           std::vector<std::vector<BlockId>>* pinned);
   /// Pinned block lists per window index, keyed by window size.
@@ -579,26 +550,10 @@ class KVCacheManager {
   std::int32_t kv_factor_;
   std::vector<WindowSize> window_sizes_;
   std::unique_ptr<MemoryBackend> backend_;
-  struct Arena {  // the primary memory shared by every window under lend_free_memory
-    MemoryBackend* backend = nullptr;
-    void* ptr = nullptr;
-    std::size_t bytes = 0;
-    Arena() = default;
-    Arena(const Arena&) = delete;
-    Arena& operator=(const Arena&) = delete;
-    ~Arena() {
-      if (backend != nullptr) backend->Free(CacheLevel::kPrimary, ptr);
-    }
-  };
-  Arena arena_;  // declared before windows_: freed after them
+  /// Slab lending (or none): declared before windows_, so its arena is freed after them.
+  std::unique_ptr<SlabLender> lender_;
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
-  bool lending_ = false;
   bool may_copy_ = false;  ///< MayCopyBlocks()
-  std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
-  std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
-  std::uint64_t evict_clock_ = 0;  // eviction stamps shared by the windows
-  std::vector<SeqId> lent_displaced_;  // releasers of blocks being lent
-  std::int64_t lent_slabs_ = 0;
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
   std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)
