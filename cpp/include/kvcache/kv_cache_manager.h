@@ -375,7 +375,7 @@ class KVCacheManager {
   std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
 
  private:
-  // Construction (the constructor's parts).
+  // ---- Construction (kv_cache_manager.cpp; pools: pool_layout.cpp).
   /// The pools of every window (its layers of one shape share a pool, one block holds all of
   /// them); fills layer_to_pool_ and pool_index_.
   std::vector<std::vector<PoolLayout>> PlanPools(const ModelSpec& model, const std::vector<WindowSize>& layer_window);
@@ -506,18 +506,12 @@ class KVCacheManager {
   /// True if block position `j` of `seq` in window `w` may be written in place: no other holder,
   /// no cached identity and no other sequence's record of its content.
   bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
-  /// Checks ownership state: release records mirror the blocks' releaser lists, and every cached
-  /// block a sequence holds (or still owns by a valid release record) is the tree node of that
-  /// sequence's own prefix at that position.
-  void CheckOwnership() const;
+
+  // ---- Admission (kv_cache_manager_admission.cpp).
   /// Per window: the free blocks that a prompt of `num_blocks` blocks with reuse plan `plan`
   /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
   /// prompt_front_).
   void PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const;
-  /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
-  /// Valid until the next call (it is the member plan_); an empty plan without reuse.
-  const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
-                             const PreparedPrompt* prepared = nullptr) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
                                  std::optional<std::int32_t> prefill, std::shared_ptr<const PreparedPrompt> prepared);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
@@ -529,6 +523,15 @@ class KVCacheManager {
   void ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const;
   /// Multimodal items need start >= 0 and length >= 0; messages name `id` (>= 0) or `who`.
   void ValidateMultimodal(const ReuseExtras& extras, const char* who, SeqId id) const;
+  /// Validates a prompt handed to AddSequence (id >= 0) or a query (`who`, id < 0): non-empty, at
+  /// most max_seq_len tokens, no negative token. Messages are built only on error.
+  void ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const;
+
+  // ---- Reuse (kv_cache_manager_reuse.cpp).
+  /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
+  /// Valid until the next call (it is the member plan_); an empty plan without reuse.
+  const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                             const PreparedPrompt* prepared = nullptr) const;
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
@@ -536,11 +539,18 @@ class KVCacheManager {
                           std::vector<std::vector<BlockId>>* pinned);
   /// Pinned block lists per window index, keyed by window size.
   std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
-  /// Validates a prompt handed to AddSequence (id >= 0) or a query (`who`, id < 0): non-empty, at
-  /// most max_seq_len tokens, no negative token. Messages are built only on error.
-  void ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const;
   void Pin(std::size_t w, BlockId b);
   void Unpin(std::size_t w, BlockId b);
+
+  // ---- Invariants (kv_cache_manager_invariants.cpp).
+  /// Checks one sequence's lengths and block lists, counting its references into *refs.
+  void CheckSequence(SeqId id, const Sequence& seq, std::vector<std::vector<std::int32_t>>* refs) const;
+  /// Checks ownership state: release records mirror the blocks' releaser lists, and every cached
+  /// block a sequence holds (or still owns by a valid release record) is the tree node of that
+  /// sequence's own prefix at that position.
+  void CheckOwnership() const;
+  void CheckReleaseRecords(std::size_t w) const;
+  void CheckCachedPrefixes(SeqId id, const Sequence& seq) const;
 
   std::int32_t tpb_;
   std::int32_t max_seq_len_;
