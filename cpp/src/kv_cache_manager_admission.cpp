@@ -1,5 +1,6 @@
 // KVCacheManager, admission: validating and keying prompts, the blocks a registration takes,
-// and AddSequence.
+// and AddSequence step by step (validate; plan and check blocks; register; claim the reused
+// blocks; move slabs; hand out takeovers, partial copies, onboards and fresh blocks; count).
 #include <algorithm>
 #include <memory>
 #include <utility>
@@ -159,15 +160,49 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const Prepare
 std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
                                                const SequenceOptions& options, std::optional<std::int32_t> prefill,
                                                std::shared_ptr<const PreparedPrompt> prepared) {
+  const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
+  ValidateAdmission(id, tokens, n, options, extras, prefill, prepared != nullptr);
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
+  const Admission a = PlanAdmission(plan, n, prefill);
+  CheckAdmissionBlocks(id, n, plan, a);
+  Sequence& seq = RegisterSequence(id, tokens, n, options, extras, std::move(prepared), a, plan.reused_tokens);
+  std::vector<char> src_held(windows_.size(), 0);
+  ClaimReused(seq, plan, a, &src_held);
+  // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
+  // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
+  MoveSlabs();
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (a.has_partial && plan.partial_takeover[w]) Attach(seq, w, a.full, Handout::kTakeOver, plan.partial_src[w]);
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    CountAdmission(seq, w, a, HandOutPrompt(seq, w, plan, a, src_held[w] != 0));
+  }
+  // Onboards, partial copies and offloads must land before the engine reads or overwrites
+  // these blocks: the call returns with every copy complete.
+  backend_->Synchronize();
+  return plan.reused_tokens;
+}
+
+void KVCacheManager::ValidateAdmission(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                                       const ReuseExtras& extras, std::optional<std::int32_t> prefill,
+                                       bool prepared) const {
   if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
   if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
-  if (prepared == nullptr) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
-  const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
+  if (!prepared) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
+  ValidatePriorities(id, options);
+  ValidateMultimodal(extras, "add_sequence", id);
+  if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
+    throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
+                                      ") sequences are already registered"));
+  }
+  ValidatePrefill(prefill, "add_sequence", id);
+}
+
+void KVCacheManager::ValidatePriorities(SeqId id, const SequenceOptions& options) {
   auto check_priority = [id](const char* what, int p) {
     if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
   };
-  const int priority = options.priority.value_or(kDefaultPriority);
-  check_priority("priority", priority);
+  check_priority("priority", options.priority.value_or(kDefaultPriority));
   if (options.decode_priority.has_value()) check_priority("decode_priority", *options.decode_priority);
   if (options.decode_duration_ms < 0) ThrowInvalid("request ", id, ": decode_duration_ms must be >= 0");
   for (const PriorityRange& r : options.priority_ranges) {
@@ -176,45 +211,49 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
       ThrowInvalid("request ", id, ": bad priority range [", r.start, ", ", r.end, ")");
     }
   }
-  ValidateMultimodal(extras, "add_sequence", id);
-  if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
-    throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
-                                      ") sequences are already registered"));
-  }
-  ValidatePrefill(prefill, "add_sequence", id);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
-  const std::int32_t reused = plan.reused_tokens;
+}
+
+KVCacheManager::Admission KVCacheManager::PlanAdmission(const ReusePlan& plan, std::size_t n,
+                                                        std::optional<std::int32_t> prefill) const {
+  Admission a;
   // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
-  const std::int32_t first = FirstChunkEnd(n, reused, prefill);
-  const std::int32_t num_blocks = CeilDiv(first, tpb_);
-  const std::int32_t prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
-  const std::int32_t full = plan.full_blocks;
-  const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
-  PromptBlocksNeeded(plan, num_blocks);
+  a.first = FirstChunkEnd(n, plan.reused_tokens, prefill);
+  a.num_blocks = CeilDiv(a.first, tpb_);
+  a.prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
+  a.full = plan.full_blocks;
+  a.has_partial = plan.partial_tokens > 0 ? 1 : 0;
+  return a;
+}
+
+void KVCacheManager::CheckAdmissionBlocks(SeqId id, std::size_t n, const ReusePlan& plan, const Admission& a) {
+  PromptBlocksNeeded(plan, a.num_blocks);
   const std::vector<std::int32_t>& need = prompt_need_;
-  const std::vector<std::int32_t>& front = prompt_front_;
-  {
-    std::vector<std::int64_t>& available = check_available_;
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      check_need_[w] = need[w];
-      available[w] = windows_[w]->NumFreePrimary();
-    }
-    // What this call claims or copies from is not lent.
-    const KeptBlocks kept{tree_.get(), plan.path.data(), full, front.data(),
-                          has_partial ? plan.partial_src.data() : nullptr};
-    const std::int64_t short_w = lender_->PlanBlocks(check_need_, available, &kept);
-    if (short_w >= 0) {
-      const auto w = static_cast<std::size_t>(short_w);
-      throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
-                                            " blocks for a ", n, "-token prompt (", reused,
-                                            " tokens reused) but has ", available[w], " free", lender_->LendNote(w)));
-    }
+  std::vector<std::int64_t>& available = check_available_;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    check_need_[w] = need[w];
+    available[w] = windows_[w]->NumFreePrimary();
   }
+  // What this call claims or copies from is not lent.
+  const KeptBlocks kept{tree_.get(), plan.path.data(), a.full, prompt_front_.data(),
+                        a.has_partial ? plan.partial_src.data() : nullptr};
+  const std::int64_t short_w = lender_->PlanBlocks(check_need_, available, &kept);
+  if (short_w >= 0) {
+    const auto w = static_cast<std::size_t>(short_w);
+    throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
+                                          " blocks for a ", n, "-token prompt (", plan.reused_tokens,
+                                          " tokens reused) but has ", available[w], " free", lender_->LendNote(w)));
+  }
+}
+
+Sequence& KVCacheManager::RegisterSequence(SeqId id, const TokenId* tokens, std::size_t n,
+                                           const SequenceOptions& options, const ReuseExtras& extras,
+                                           std::shared_ptr<const PreparedPrompt> prepared, const Admission& a,
+                                           std::int32_t reused) {
   Sequence& seq = sequences_[id];
   seq.id = id;
-  seq.num_tokens = first;
+  seq.num_tokens = a.first;
   seq.prompt_len = static_cast<std::int32_t>(n);
-  seq.priority = priority;
+  seq.priority = options.priority.value_or(kDefaultPriority);
   seq.explicit_priority = options.priority.has_value() || !options.priority_ranges.empty();
   seq.priority_ranges = options.priority_ranges;
   seq.decode_priority = options.decode_priority;
@@ -227,73 +266,74 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   }
   seq.windows.resize(windows_.size());
   seq.reused_tokens = reused;
+  return seq;
+}
+
+void KVCacheManager::ClaimReused(Sequence& seq, const ReusePlan& plan, const Admission& a,
+                                 std::vector<char>* src_held) {
   // Claim everything the plan reuses before taking any free block, so that no eviction can
   // pick a block this sequence is about to use.
-  std::vector<char> src_held(windows_.size(), 0);
+  const std::vector<std::int32_t>& front = prompt_front_;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     WindowBlockManager& wm = *windows_[w];
     SequenceWindow& sw = seq.windows[w];
-    sw.blocks.reserve(static_cast<std::size_t>(prompt_blocks));  // later chunks grow it in place
-    sw.blocks.assign(static_cast<std::size_t>(num_blocks), kNullBlock);
+    sw.blocks.reserve(static_cast<std::size_t>(a.prompt_blocks));  // later chunks grow it in place
+    sw.blocks.assign(static_cast<std::size_t>(a.num_blocks), kNullBlock);
     sw.front_null = front[w];
     sw.released.assign(static_cast<std::size_t>(front[w]), {kNullBlock, 0});
-    for (std::int32_t i = front[w]; i < full; ++i) {
+    for (std::int32_t i = front[w]; i < a.full; ++i) {
       Attach(seq, w, i, Handout::kShare, tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
     }
-    if (has_partial && !plan.partial_takeover[w]) {
+    if (a.has_partial && !plan.partial_takeover[w]) {
       // A source that is copied is held only while the copy is issued. A free primary source is
-      // not held (that would cost a free block): the copy happens first (below), and if that
-      // block is itself the next victim it is taken over instead.
+      // not held (that would cost a free block): the copy happens first (HandOutPrompt), and if
+      // that block is itself the next victim it is taken over instead.
       const BlockId src = plan.partial_src[w];
-      src_held[w] = !wm.IsPrimary(src) || wm.RefCount(src) > 0;
-      if (src_held[w]) wm.Claim(src);
+      (*src_held)[w] = !wm.IsPrimary(src) || wm.RefCount(src) > 0;
+      if ((*src_held)[w]) wm.Claim(src);
     }
   }
-  // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
-  // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
-  MoveSlabs();
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
-  }
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    SequenceWindow& sw = seq.windows[w];
-    std::int64_t fresh = 0;
-    if (has_partial && !plan.partial_takeover[w]) {  // first: before any other block of this window is taken
-      const BlockId src = plan.partial_src[w];
-      if (!src_held[w] && wm.policy().Peek(CacheLevel::kPrimary) == src) {
-        Attach(seq, w, full, Handout::kTakeOver, src);  // the free source is the next victim anyway
-      } else {
-        // A free source that this acquisition's eviction unlinks keeps its bytes until it is
-        // handed out, which cannot happen before the copy below.
-        AttachFresh(seq, w, full, full + 1);
-        wm.CopyTokens(sw.blocks[static_cast<std::size_t>(full)], src, plan.partial_tokens);
-        if (src_held[w]) wm.Release(src);
-        ++fresh;
-      }
+}
+
+std::int64_t KVCacheManager::HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a,
+                                           bool src_held) {
+  WindowBlockManager& wm = *windows_[w];
+  SequenceWindow& sw = seq.windows[w];
+  const std::int32_t full = a.full;
+  std::int64_t fresh = 0;
+  if (a.has_partial && !plan.partial_takeover[w]) {  // first: before any other block of this window is taken
+    const BlockId src = plan.partial_src[w];
+    if (!src_held && wm.policy().Peek(CacheLevel::kPrimary) == src) {
+      Attach(seq, w, full, Handout::kTakeOver, src);  // the free source is the next victim anyway
+    } else {
+      // A free source that this acquisition's eviction unlinks keeps its bytes until it is
+      // handed out, which cannot happen before the copy below.
+      AttachFresh(seq, w, full, full + 1);
+      wm.CopyTokens(sw.blocks[static_cast<std::size_t>(full)], src, plan.partial_tokens);
+      if (src_held) wm.Release(src);
+      ++fresh;
     }
-    for (std::int32_t i = front[w]; i < full; ++i) {
-      if (!wm.IsPrimary(sw.blocks[static_cast<std::size_t>(i)])) {
-        Attach(seq, w, i, Handout::kOnboard);
-        ++fresh;
-      }
-    }
-    AttachFresh(seq, w, full + has_partial, num_blocks);
-    fresh += num_blocks - (full + has_partial);
-    const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
-    const std::int64_t missed_w = reuse_ ? prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
-    counters_[w].alloc_total += num_blocks - front[w];
-    counters_[w].alloc_new += fresh;
-    counters_[w].reused += reused_w;
-    counters_[w].missed += missed_w;
-    seq.reused_blocks += reused_w;
-    seq.missed_blocks += missed_w;
-    seq.new_blocks += fresh;
   }
-  // Onboards, partial copies and offloads must land before the engine reads or overwrites
-  // these blocks: the call returns with every copy complete.
-  backend_->Synchronize();
-  return reused;
+  for (std::int32_t i = prompt_front_[w]; i < full; ++i) {
+    if (!wm.IsPrimary(sw.blocks[static_cast<std::size_t>(i)])) {
+      Attach(seq, w, i, Handout::kOnboard);
+      ++fresh;
+    }
+  }
+  AttachFresh(seq, w, full + a.has_partial, a.num_blocks);
+  return fresh + (a.num_blocks - (full + a.has_partial));
+}
+
+void KVCacheManager::CountAdmission(Sequence& seq, std::size_t w, const Admission& a, std::int64_t fresh) {
+  const std::int64_t reused_w = reuse_ ? a.full + a.has_partial : 0;
+  const std::int64_t missed_w = reuse_ ? a.prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
+  counters_[w].alloc_total += a.num_blocks - prompt_front_[w];
+  counters_[w].alloc_new += fresh;
+  counters_[w].reused += reused_w;
+  counters_[w].missed += missed_w;
+  seq.reused_blocks += reused_w;
+  seq.missed_blocks += missed_w;
+  seq.new_blocks += fresh;
 }
 
 }  // namespace kvcache

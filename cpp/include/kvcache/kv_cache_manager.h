@@ -508,12 +508,44 @@ class KVCacheManager {
   bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
 
   // ---- Admission (kv_cache_manager_admission.cpp).
+  /// What AddSequence of one prompt hands out, from its reuse plan.
+  struct Admission {
+    std::int32_t first = 0;          // tokens with blocks once registered: reused prefix + first chunk
+    std::int32_t num_blocks = 0;     // block positions they span
+    std::int32_t prompt_blocks = 0;  // block positions of the whole prompt
+    std::int32_t full = 0;           // reused full blocks (the plan's full_blocks)
+    std::int32_t has_partial = 0;    // 1 if the block after them is partly reused
+  };
   /// Per window: the free blocks that a prompt of `num_blocks` blocks with reuse plan `plan`
   /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
   /// prompt_front_).
   void PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
                                  std::optional<std::int32_t> prefill, std::shared_ptr<const PreparedPrompt> prepared);
+  /// AddSequence's argument checks, in order: the id, the prompt (unless `prepared`: checked
+  /// already), priorities, multimodal items, max_batch_size, prefill.
+  void ValidateAdmission(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                         const ReuseExtras& extras, std::optional<std::int32_t> prefill, bool prepared) const;
+  static void ValidatePriorities(SeqId id, const SequenceOptions& options);
+  Admission PlanAdmission(const ReusePlan& plan, std::size_t n, std::optional<std::int32_t> prefill) const;
+  /// The blocks check of AddSequence: fills prompt_need_ and prompt_front_, and has the lender
+  /// plan (keeping the blocks the plan reuses); throws OutOfBlocksError for a short window.
+  void CheckAdmissionBlocks(SeqId id, std::size_t n, const ReusePlan& plan, const Admission& a);
+  /// The new sequence `id` with its prompt and options and no blocks yet (block lists sized
+  /// per window, empty).
+  Sequence& RegisterSequence(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                             const ReuseExtras& extras, std::shared_ptr<const PreparedPrompt> prepared,
+                             const Admission& a, std::int32_t reused);
+  /// Sets up `seq`'s block lists and claims every block the plan reuses (and holds a partial
+  /// source that is copied, where holding it costs no free block: (*src_held)[w]).
+  void ClaimReused(Sequence& seq, const ReusePlan& plan, const Admission& a, std::vector<char>* src_held);
+  /// Window `w`'s blocks of a new sequence past the claimed ones: the copy of a partly reused
+  /// block (unless taken over), onboards of reused blocks in a lower tier, fresh blocks for the
+  /// rest of the first chunk. Returns the blocks taken from the free queues.
+  std::int64_t HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a, bool src_held);
+  /// The reuse and allocation counters of window `w` (and of `seq`) after an admission that took
+  /// `fresh` free blocks there.
+  void CountAdmission(Sequence& seq, std::size_t w, const Admission& a, std::int64_t fresh);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
                                                             const ReuseExtras& extras,
                                                             std::optional<std::int32_t> prefill,
