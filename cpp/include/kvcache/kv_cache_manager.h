@@ -564,11 +564,64 @@ class KVCacheManager {
   /// Valid until the next call (it is the member plan_); an empty plan without reuse.
   const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
                              const PreparedPrompt* prepared = nullptr) const;
+  /// The tree nodes matching the prompt's first full blocks (at most `num_full`), appended to
+  /// *path.
+  void MatchFullBlocks(const TokenId* tokens, std::int32_t num_full, const ReuseExtras& extras,
+                       const PreparedPrompt* prepared, std::vector<NodeId>* path) const;
+  /// The longest block-aligned prefix of `path` that every window can serve.
+  std::int32_t ServedPrefix(const std::vector<NodeId>& path) const;
+  /// ServedPrefix's second pass, when some sliding window lacks a block among path[0, full).
+  std::int32_t ServedBySlidingWindows(const std::vector<NodeId>& path, std::int32_t full) const;
+  /// A partial match of the block after plan->full_blocks (at most key_len tokens of keys in
+  /// all): the child sharing the longest token prefix with it, if every window can reuse it.
+  /// Returns whether one was found (and recorded in *plan).
+  bool MatchPartialBlock(const TokenId* tokens, std::int32_t key_len, const ReuseExtras& extras,
+                         ReusePlan* plan) const;
   /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
   /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
   /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
   std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
                           std::vector<std::vector<BlockId>>* pinned);
+  /// A node of a StoreChain walk: the chain's first `depth` positions end at `node` (the root:
+  /// depth 0), whose chained hash is `hash`.
+  struct ChainNode {
+    std::int32_t depth = 0;
+    NodeId node = ReuseTree::kRoot;
+    std::uint64_t hash = 0;
+  };
+  /// What StoreChain did at one position: linked a block in some window, and whether the
+  /// position is settled in every window.
+  struct StoredPosition {
+    bool any = false;
+    bool settled = true;
+  };
+  class StoredEvents;  // the stored events of one walk (kv_cache_manager_reuse.cpp)
+  /// The block `seq` stores at position `d` of window `w`, or kNullBlock.
+  BlockId OwnBlock(const Sequence& seq, std::size_t w, std::int32_t d) const;
+  /// Whether position `node` is settled in window `w` for a sequence whose block there is `b`.
+  bool Settled(std::size_t w, NodeId node, BlockId b) const;
+  /// Whether a store may resume where the last one found every position settled.
+  bool StoreResumable() const;
+  /// The key of position `d` of `seq` (`key_len` tokens keyed in all) below a parent with chained
+  /// hash `parent_hash`: returns its hash and sets *len and *digest.
+  std::uint64_t ChainKey(const Sequence& seq, std::int32_t key_len, std::int32_t d, std::uint64_t parent_hash,
+                         std::int32_t* len, std::uint64_t* digest) const;
+  /// `seq`'s record of position `d` in window `w`: its live block and that block's generation,
+  /// or what it released there.
+  std::pair<BlockId, std::uint32_t> ReleaseRecord(const Sequence& seq, std::size_t w, std::int32_t d) const;
+  /// Where a store of `seq` (`key_len` tokens) starts: its resume point if still trusted, else
+  /// the root.
+  ChainNode ResumeStore(const Sequence& seq, std::int32_t key_len) const;
+  /// Debug builds: every position a store skips from the root up to `start` is settled.
+  void CheckStoreResume(const Sequence& seq, std::int32_t key_len, const ChainNode& start) const;
+  /// StoreChain at node `here` (`len` tokens) below `parent`: links `seq`'s block of every
+  /// window that the node lacks, queues their stored events and, with `pinned`, pins the node's
+  /// blocks.
+  StoredPosition StorePosition(const Sequence& seq, const ChainNode& here, std::int32_t len, const ChainNode& parent,
+                               std::vector<std::vector<BlockId>>* pinned, StoredEvents* events);
+  /// Records node `here` as `seq`'s resume point, guarded by its record in the first window that
+  /// has not released the position.
+  void MarkStoreResume(const Sequence& seq, const ChainNode& here) const;
   /// Pinned block lists per window index, keyed by window size.
   std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
   void Pin(std::size_t w, BlockId b);
