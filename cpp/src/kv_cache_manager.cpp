@@ -1,13 +1,15 @@
+// The manager façade: construction, the one doors of blocks (Attach, AttachFresh, Detach) and
+// of invalidation, the per-step calls (Prefill, AddTokens, Rewind, RemoveSequence) and queries.
+// Admission: kv_cache_manager_admission.cpp; reuse: kv_cache_manager_reuse.cpp; estimates:
+// kv_cache_manager_estimates.cpp; pools: pool_layout.cpp, block_offsets.cpp; checks:
+// kv_cache_manager_invariants.cpp; slab lending: slab_lender.cpp.
 #include "kvcache/kv_cache_manager.h"
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <limits>
-#include <numeric>
 #include <set>
 #include <string>
-#include <tuple>
 
 #include "kvcache/errors.h"
 
@@ -40,113 +42,6 @@ void ValidateModel(const ModelSpec& model) {
     ThrowInvalid("dtypes must be empty or have num_layers (", model.num_layers, ") entries, got ",
                  model.dtypes.size());
   }
-}
-
-/// The pool key of a layer: layers of one window with equal keys share a pool. Ordered, so a
-/// window's pools are sorted by KV-head count, then head size, then dtype.
-using PoolKey = std::tuple<std::int32_t, std::int32_t, DType>;
-
-PoolKey LayerPoolKey(const ModelSpec& model, std::int32_t l) {
-  const auto i = static_cast<std::size_t>(l);
-  const std::int32_t heads = model.num_kv_heads.size() == 1 ? model.num_kv_heads[0] : model.num_kv_heads[i];
-  const std::int32_t head_dim = model.head_dims.empty() ? model.head_dim : model.head_dims[i];
-  const DType dtype = model.dtypes.empty() ? model.dtype : model.dtypes[i];
-  return {heads, head_dim, dtype};
-}
-
-std::size_t RoundUp(std::size_t x, std::size_t unit) { return (x + unit - 1) / unit * unit; }
-
-/// Least common multiple, or 0 past `limit`.
-std::size_t LcmUpTo(std::size_t a, std::size_t b, std::size_t limit) {
-  const std::size_t g = std::gcd(a, b);
-  const std::size_t q = a / g;
-  if (q > limit / b) return 0;
-  return q * b;
-}
-
-/// Most blocks of one window in a slab: beyond it, lending moves too much memory at once.
-constexpr std::size_t kMaxBlocksPerSlab = 1024;
-
-/// Geometry of the arena shared by every window under lend_free_memory: each window's block
-/// interleaves its pools (each pool's part aligned to that pool's K/V slab, the block stride a
-/// multiple of every such slab, so block offsets stay whole slabs); a slab of the arena is the
-/// least common multiple of the windows' strides; the arena is as many slabs as the windows'
-/// blocks fill, apportioned to the windows by their bytes (at least one slab each).
-std::vector<SharedPrimary> PlanSharedPrimary(const std::vector<std::vector<PoolLayout>>& window_pools,
-                                             const std::vector<WindowSize>& windows,
-                                             const std::map<WindowSize, WindowBlocks>& blocks,
-                                             const std::map<WindowSize, std::int32_t>& disk_blocks,
-                                             std::size_t* arena_bytes) {
-  const std::size_t n = windows.size();
-  std::vector<SharedPrimary> out(n);
-  std::size_t slab = 1;
-  std::size_t budget = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    std::size_t offset = 0;
-    std::size_t unit = 1;
-    for (const PoolLayout& pool : window_pools[w]) {
-      const std::size_t kv_slab = pool.SlabBytes();
-      offset = RoundUp(offset, kv_slab);
-      out[w].pool_offsets.push_back(offset);
-      offset += pool.BlockBytes();
-      unit = LcmUpTo(unit, kv_slab, std::numeric_limits<std::size_t>::max() / 2);
-      if (unit == 0) ThrowInvalid("lend_free_memory: the pools of window ", windows[w], " have no common block size");
-    }
-    out[w].block_stride = RoundUp(offset, unit);
-    slab = LcmUpTo(slab, out[w].block_stride, out[w].block_stride * kMaxBlocksPerSlab);
-    if (slab == 0) {
-      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
-                   " blocks of any window, so they cannot lend each other memory");
-    }
-    budget += out[w].block_stride * static_cast<std::size_t>(blocks.at(windows[w]).primary);
-  }
-  for (std::size_t w = 0; w < n; ++w) {
-    if (slab / out[w].block_stride > kMaxBlocksPerSlab) {
-      ThrowInvalid("lend_free_memory: the windows' block sizes have no common multiple of at most ", kMaxBlocksPerSlab,
-                   " blocks of any window, so they cannot lend each other memory");
-    }
-  }
-  const std::size_t num_slabs = budget / slab;
-  if (num_slabs < n) {
-    ThrowInvalid("lend_free_memory: the primary blocks make ", num_slabs, " slab(s) of ", slab,
-                 " bytes, fewer than one per window (", n, ")");
-  }
-  // Largest remainder, then at least one slab per window (taken from the largest).
-  std::vector<std::int64_t> owned(n);
-  std::vector<std::pair<double, std::size_t>> rest;
-  std::int64_t given = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    const double exact = static_cast<double>(out[w].block_stride) * blocks.at(windows[w]).primary / static_cast<double>(slab);
-    owned[w] = static_cast<std::int64_t>(exact);
-    given += owned[w];
-    rest.emplace_back(-(exact - static_cast<double>(owned[w])), w);
-  }
-  std::sort(rest.begin(), rest.end());
-  for (std::size_t i = 0; given < static_cast<std::int64_t>(num_slabs); ++i, ++given) ++owned[rest[i % n].second];
-  for (std::size_t w = 0; w < n; ++w) {
-    while (owned[w] < 1) {
-      const auto big = static_cast<std::size_t>(std::max_element(owned.begin(), owned.end()) - owned.begin());
-      --owned[big];
-      ++owned[w];
-    }
-  }
-  std::int64_t first = 0;
-  for (std::size_t w = 0; w < n; ++w) {
-    SharedPrimary& sp = out[w];
-    sp.blocks_per_slab = static_cast<std::int32_t>(slab / sp.block_stride);
-    sp.num_slabs = static_cast<std::int32_t>(num_slabs);
-    sp.first_slab = static_cast<std::int32_t>(first);
-    sp.owned_slabs = static_cast<std::int32_t>(owned[w]);
-    first += owned[w];
-    const auto disk = disk_blocks.find(windows[w]);
-    const std::int64_t ids = static_cast<std::int64_t>(num_slabs) * sp.blocks_per_slab +
-                             blocks.at(windows[w]).secondary + (disk == disk_blocks.end() ? 0 : disk->second);
-    if (ids > std::numeric_limits<std::int32_t>::max()) {
-      ThrowInvalid("lend_free_memory: window ", windows[w], " would span ", ids, " block ids, more than 2**31 - 1");
-    }
-  }
-  *arena_bytes = num_slabs * slab;
-  return out;
 }
 
 /// blocks_per_window must name exactly `windows`, with valid block counts, and
@@ -220,8 +115,6 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
   MakeWindows(config, PlanPools(model, layer_window));
-  borrow_.assign(window_sizes_.size(), 0);
-  lendable_.assign(window_sizes_.size(), 0);
   check_need_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
@@ -239,49 +132,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
 }
 
-std::vector<std::vector<PoolLayout>> KVCacheManager::PlanPools(const ModelSpec& model,
-                                                               const std::vector<WindowSize>& layer_window) {
-  layer_to_pool_.assign(static_cast<std::size_t>(model.num_layers), {-1, -1});
-  std::int32_t global_pool = 0;
-  std::vector<std::vector<PoolLayout>> window_pools(window_sizes_.size());
-  for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
-    const WindowSize window = window_sizes_[w];
-    std::map<PoolKey, PoolLayout> by_shape;  // ascending (heads, head size, dtype)
-    for (std::int32_t l = 0; l < model.num_layers; ++l) {
-      if (layer_window[l] != window) continue;
-      const PoolKey key = LayerPoolKey(model, l);
-      PoolLayout& pool = by_shape[key];
-      pool.num_kv_heads = std::get<0>(key);
-      pool.layers.push_back(l);
-      pool.kv_factor = model.kv_factor;
-      pool.tokens_per_block = tpb_;
-      pool.head_dim = std::get<1>(key);
-      pool.dtype = std::get<2>(key);
-      pool.elem_bytes = DTypeBytes(pool.dtype);
-    }
-    for (auto& kv : by_shape) {
-      const auto pool_in_window = window_pools[w].size();
-      for (std::size_t i = 0; i < kv.second.layers.size(); ++i) {
-        layer_to_pool_[kv.second.layers[i]] = {global_pool, static_cast<std::int32_t>(i)};
-      }
-      pool_index_.emplace_back(w, pool_in_window);
-      ++global_pool;
-      window_pools[w].push_back(std::move(kv.second));
-    }
-  }
-  return window_pools;
-}
-
 void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools) {
-  lending_ = config.lend_free_memory && window_sizes_.size() > 1;
-  std::vector<SharedPrimary> shared;
-  if (lending_) {
-    shared = PlanSharedPrimary(window_pools, window_sizes_, config.blocks_per_window, config.disk_blocks_per_window,
-                               &arena_.bytes);
-    arena_.ptr = backend_->Allocate(CacheLevel::kPrimary, arena_.bytes);
-    arena_.backend = backend_.get();
-    for (SharedPrimary& sp : shared) sp.base = static_cast<unsigned char*>(arena_.ptr);
-  }
+  lender_ = SlabLender::Make(config, window_sizes_, window_pools, backend_.get(), windows_);
   std::shared_ptr<SecondaryTier> disk_tier;  // shared by the windows that have disk blocks
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
@@ -293,12 +145,11 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
     options.protected_fraction = config.protected_fraction;
-    const SharedPrimary* arena = lending_ ? &shared[w] : nullptr;
-    const std::int32_t num_primary = lending_ ? arena->num_slabs * arena->blocks_per_slab : counts.primary;
+    const WindowPrimary primary = lender_->Primary(w, counts.primary);
     windows_.push_back(std::make_unique<WindowBlockManager>(window, swa, static_cast<std::int32_t>(w),
-                                                            std::move(window_pools[w]), num_primary, counts.secondary,
-                                                            backend_.get(), tree_.get(), options, events_.get(),
-                                                            arena));
+                                                            std::move(window_pools[w]), primary.num_primary,
+                                                            counts.secondary, backend_.get(), tree_.get(), options,
+                                                            events_.get(), primary.shared));
     const auto disk = config.disk_blocks_per_window.find(window);
     if (disk != config.disk_blocks_per_window.end() && disk->second > 0) {
       if (disk_tier == nullptr && backend_->HasMemory()) disk_tier = MakeDiskTier(config.disk_cache_dir);
@@ -314,9 +165,7 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
       events_->Push(std::move(e));
     }
   }
-  if (lending_) {  // Rebalance compares victims across windows by these keys
-    for (auto& wm : windows_) wm->EnableEvictionKeys(&evict_clock_);
-  }
+  lender_->Start();
 }
 
 KVCacheManager::~KVCacheManager() = default;
@@ -324,29 +173,6 @@ KVCacheManager::~KVCacheManager() = default;
 std::map<WindowSize, WindowBlocks> KVCacheManager::blocks_per_window() const {
   std::map<WindowSize, WindowBlocks> out;
   for (const auto& w : windows_) out[w->window()] = WindowBlocks{w->NumOwnedPrimary(), w->num_secondary()};
-  return out;
-}
-
-std::vector<PoolInfo> KVCacheManager::pools() const {
-  std::vector<PoolInfo> out;
-  for (const auto& [w, p] : pool_index_) {
-    const WindowBlockManager& wm = *windows_[w];
-    const PoolLayout& layout = wm.pools()[p];
-    PoolInfo info;
-    info.window = wm.window();
-    info.num_kv_heads = layout.num_kv_heads;
-    info.layers = layout.layers;
-    info.kv_factor = layout.kv_factor;
-    info.head_dim = layout.head_dim;
-    info.dtype = layout.dtype;
-    info.block_bytes = layout.BlockBytes();
-    info.block_stride = wm.primary_stride(p);
-    info.num_primary = wm.num_primary();
-    info.num_secondary = wm.num_secondary();
-    info.primary_ptr = reinterpret_cast<std::uintptr_t>(wm.primary_base(p));
-    info.secondary_ptr = reinterpret_cast<std::uintptr_t>(wm.secondary_base(p));
-    out.push_back(std::move(info));
-  }
   return out;
 }
 
@@ -432,7 +258,7 @@ BlockId KVCacheManager::Attach(Sequence& seq, std::size_t w, std::int32_t j, Han
       slot = wm.Onboard(slot, p.priority, p.expiry_ms, &displaced_);
       break;
   }
-  if (!displaced_.empty()) InvalidateDisplaced(seq);
+  if (!displaced_.empty()) InvalidateReleasers(displaced_, seq.id, "granted");
   return slot;
 }
 
@@ -446,144 +272,25 @@ void KVCacheManager::AttachFresh(Sequence& seq, std::size_t w, std::int32_t firs
     wm.AcquireN(p.end - j, p.priority, p.expiry_ms, slots + j, &displaced_);
     j = p.end;
   }
-  if (!displaced_.empty()) InvalidateDisplaced(seq);
+  if (!displaced_.empty()) InvalidateReleasers(displaced_, seq.id, "granted");
 }
 
-std::int64_t KVCacheManager::Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
-                                      const std::vector<BlockId>* keep, bool over_calls) const {
-  const WindowBlockManager& wm = *windows_[v];
-  const std::int32_t m = wm.blocks_per_slab();
-  std::int64_t slabs = wm.NumFreeSlabs();
-  // Over several calls the donor's own blocks may be taken before a slab is lent, each
-  // breaking at most one wholly free slab (with one block per slab it takes the slab anyway).
-  if (over_calls && m > 1) slabs -= need_v;
-  if (keep != nullptr) {  // wholly free slabs holding a kept block are not lent
-    std::vector<std::int32_t> kept;
-    for (const BlockId b : *keep) {
-      if (b == kNullBlock || !wm.IsPrimary(b) || !wm.policy().SlabListed(b / m)) continue;
-      if (std::find(kept.begin(), kept.end(), b / m) == kept.end()) kept.push_back(b / m);
-    }
-    slabs -= static_cast<std::int64_t>(kept.size());
+void KVCacheManager::InvalidateReleasers(const std::vector<SeqId>& releasers, SeqId except, const char* what) {
+  // Releaser lists name live sequences only (ForgetReleases runs when a sequence ends). A
+  // sequence reclaiming its own released block (`except`) is not invalidated: its record is
+  // merely stale (the generation changed), so StoreChain skips that position.
+  for (const SeqId displaced : releasers) {
+    if (displaced == except) continue;
+    auto it = sequences_.find(displaced);
+    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a ", what, " block is not live"));
+    it->second.valid_for_reuse = false;
   }
-  return std::max<std::int64_t>(0, std::min(slabs, (available_v - need_v) / m));
 }
 
-std::int64_t KVCacheManager::FirstUnserved(const std::vector<std::int64_t>& need,
-                                           const std::vector<std::int64_t>& available,
-                                           const std::vector<std::vector<BlockId>>* keep, bool over_calls,
-                                           std::vector<std::int64_t>* borrow,
-                                           std::vector<std::int64_t>* lendable) const {
-  std::int64_t first_short = -1;
-  std::int64_t short_slabs = 0;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const bool short_w = available[w] < need[w];
-    if (short_w && first_short < 0) first_short = static_cast<std::int64_t>(w);
-    const std::int64_t slabs =
-        short_w && lending_ ? CeilDiv(need[w] - available[w], windows_[w]->blocks_per_slab()) : 0;
-    if (borrow != nullptr) (*borrow)[w] = slabs;
-    short_slabs += slabs;
-  }
-  if (first_short < 0 || !lending_) return first_short;
-  std::int64_t total = 0;
-  for (std::size_t v = 0; v < windows_.size(); ++v) {
-    const std::int64_t l = available[v] >= need[v]
-                               ? Lendable(v, need[v], available[v], keep == nullptr ? nullptr : &(*keep)[v], over_calls)
-                               : 0;
-    if (lendable != nullptr) (*lendable)[v] = l;
-    total += l;
-  }
-  return total >= short_slabs ? -1 : first_short;
-}
-
-std::int64_t KVCacheManager::PlanBlocks(const std::vector<std::int64_t>& need,
-                                        const std::vector<std::int64_t>& available,
-                                        const std::vector<std::vector<BlockId>>* keep) {
-  const std::int64_t short_w = FirstUnserved(need, available, keep, /*over_calls=*/false, &borrow_, &lendable_);
-  if (short_w >= 0) std::fill(borrow_.begin(), borrow_.end(), 0);
-  return short_w;
-}
-
-void KVCacheManager::MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab) {
-  windows_[donor]->LendSlab(slab, &lent_displaced_);
-  windows_[w]->AdoptSlab(slab);
-  ++lent_slabs_;
-}
-
-void KVCacheManager::InvalidateLent() {
+void KVCacheManager::MoveSlabs() {
   // A sequence that released a lent block out of window lost that content, as if another
   // sequence had reclaimed it (its own included: the bytes now belong to another window).
-  for (const SeqId displaced : lent_displaced_) {
-    auto it = sequences_.find(displaced);
-    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a lent block is not live"));
-    it->second.valid_for_reuse = false;
-  }
-  lent_displaced_.clear();
-}
-
-void KVCacheManager::MoveSlabs(const std::vector<std::vector<BlockId>>* keep) {
-  if (!lending_) return;  // nothing is borrowed, nothing was lent
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    for (; borrow_[w] > 0; --borrow_[w]) {
-      std::size_t donor = windows_.size();
-      for (std::size_t v = 0; v < windows_.size(); ++v) {
-        if (v != w && lendable_[v] > 0 && (donor == windows_.size() || lendable_[v] > lendable_[donor])) donor = v;
-      }
-      KVC_CHECK(donor < windows_.size(), detail::Concat("window ", window_sizes_[w], " has no slab to borrow"));
-      --lendable_[donor];
-      MoveSlab(donor, w, windows_[donor]->SlabToLend(keep == nullptr ? nullptr : &(*keep)[donor]));
-    }
-  }
-  InvalidateLent();
-}
-
-void KVCacheManager::Rebalance() {
-  // Under "invalidate" a sliding window's eviction drops the chain below the block and a
-  // reclaimed out-of-window block stops its releaser from storing anything, costs the keys do
-  // not see: moving eviction pressure between windows measured worse there (bench/README.md).
-  const bool move = swa_policy_ != SwaReusePolicy::kInvalidate;
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    // As many scratch blocks as it evicted cached ones in the step, so that the next step's
-    // allocations need not evict its cache while other windows hold cheaper blocks.
-    const std::int64_t wanted = wm.TakeCachedEvictions();
-    while (move && wm.policy().NumScratch(CacheLevel::kPrimary) < wanted) {
-      const BlockId own = wm.policy().PeekCached(CacheLevel::kPrimary);
-      if (own == kNullBlock) break;
-      std::size_t donor = windows_.size();
-      std::int32_t slab = -1;
-      WindowBlockManager::EvictionKey best = wm.EvictionKeyOf(own);
-      for (std::size_t v = 0; v < windows_.size(); ++v) {
-        if (v == w) continue;
-        const WindowBlockManager& dm = *windows_[v];
-        const std::int32_t s = dm.CheaperSlab(best);
-        if (s < 0) continue;
-        donor = v;
-        slab = s;
-        best = dm.EvictionKeyOf(dm.policy().Peek(CacheLevel::kPrimary));
-      }
-      if (donor == windows_.size()) break;
-      MoveSlab(donor, w, slab);
-    }
-  }
-  InvalidateLent();
-}
-
-std::string KVCacheManager::LendNote(std::size_t w) const {
-  if (!lending_) return "";
-  const std::int32_t blocks = FreeBlocksLocked(w) - windows_[w]->NumFreePrimary();
-  return detail::Concat(" (counting ", blocks, " that the other windows' wholly free slabs could lend it alone)");
-}
-
-void KVCacheManager::InvalidateDisplaced(const Sequence& seq) {
-  // Releaser lists name live sequences only (ForgetReleases runs when a sequence ends). The
-  // receiving sequence reclaiming its own released block does not invalidate it: its record is
-  // merely stale (the generation changed), so StoreChain skips that position.
-  for (const SeqId displaced : displaced_) {
-    if (displaced == seq.id) continue;
-    auto it = sequences_.find(displaced);
-    KVC_CHECK(it != sequences_.end(), detail::Concat("releaser ", displaced, " of a granted block is not live"));
-    it->second.valid_for_reuse = false;
-  }
+  InvalidateReleasers(lender_->MoveSlabs(), /*except=*/-1, "lent");
 }
 
 void KVCacheManager::Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why) {
@@ -625,293 +332,6 @@ bool KVCacheManager::IsPrivate(const Sequence& seq, std::size_t w, std::int32_t 
   return wm.RefCount(b) == 1 && wm.NodeOf(b) == kNoNode && !wm.HasReleasers(b);
 }
 
-void KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const {
-  std::vector<std::int32_t>& need = prompt_need_;
-  std::vector<std::int32_t>& front = prompt_front_;
-  need.assign(windows_.size(), 0);
-  front.assign(windows_.size(), 0);
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const WindowBlockManager& wm = *windows_[w];
-    std::int32_t& f = front[w];
-    if (wm.is_swa()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
-    KVC_CHECK(f <= plan.full_blocks, "reuse plan: released front past the matched blocks");
-    need[w] = num_blocks - plan.full_blocks;  // the partial block (taken over or copied) and fresh ones
-    for (std::int32_t i = f; i < plan.full_blocks; ++i) {
-      const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
-      if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
-    }
-  }
-}
-
-void KVCacheManager::ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const {
-  auto fail = [&](auto&&... what) {
-    if (id >= 0) ThrowInvalid("request ", id, ": ", what...);
-    ThrowInvalid(who, ": ", what...);
-  };
-  if (n == 0) fail("the prompt is empty");
-  if (n > static_cast<std::size_t>(max_seq_len_)) fail("prompt of ", n, " tokens exceeds max_seq_len ", max_seq_len_);
-  TokenId any = 0;  // one branch-free pass; the bad token is looked for only on failure
-  for (std::size_t i = 0; i < n; ++i) any |= tokens[i];
-  if (any >= 0) return;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0) fail("token ", i, " is negative (", tokens[i], ")");
-  }
-}
-
-void KVCacheManager::ValidateMultimodal(const ReuseExtras& extras, const char* who, SeqId id) const {
-  for (const MultimodalItem& item : extras.multimodal) {
-    if (item.start >= 0 && item.length >= 0) continue;
-    if (id >= 0) {
-      ThrowInvalid("request ", id, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
-    }
-    ThrowInvalid(who, ": multimodal item (start ", item.start, ", length ", item.length, ") is invalid");
-  }
-}
-
-void KVCacheManager::ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const {
-  if (!prefill.has_value() || *prefill >= 1) return;
-  if (id >= 0) ThrowInvalid("request ", id, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
-  ThrowInvalid(who, ": prefill must be >= 1 (or None for the whole prompt), got ", *prefill);
-}
-
-void KVCacheManager::CheckPrepared(const PreparedPrompt& prompt) const {
-  if (prompt.tokens_per_block != tpb_) {
-    ThrowInvalid("the prepared prompt was keyed for tokens_per_block ", prompt.tokens_per_block, ", this manager uses ",
-                 tpb_);
-  }
-  if (prompt.tokens.size() > static_cast<std::size_t>(max_seq_len_)) {
-    ThrowInvalid("the prepared prompt has ", prompt.tokens.size(), " tokens, more than max_seq_len ", max_seq_len_);
-  }
-}
-
-PreparedPrompt KVCacheManager::Prepare(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const {
-  return Prepare(std::vector<TokenId>(tokens, tokens + n), extras);
-}
-
-PreparedPrompt KVCacheManager::Prepare(std::vector<TokenId>&& tokens_in, const ReuseExtras& extras) const {
-  ValidatePrompt(tokens_in.data(), tokens_in.size(), "prepare", -1);
-  ValidateMultimodal(extras, "prepare", -1);
-  PreparedPrompt p;
-  p.tokens = std::move(tokens_in);
-  const TokenId* tokens = p.tokens.data();
-  const std::size_t n = p.tokens.size();
-  p.extras = extras;
-  p.tokens_per_block = tpb_;
-  const auto full = static_cast<std::int32_t>(n / static_cast<std::size_t>(tpb_));
-  p.digests.resize(static_cast<std::size_t>(full));
-  p.hashes.resize(static_cast<std::size_t>(full));
-  std::uint64_t hash = 0;
-  for (std::int32_t d = 0; d < full; ++d) {
-    const auto i = static_cast<std::size_t>(d);
-    p.digests[i] = BlockExtrasDigest(extras, d, d * tpb_, tpb_);
-    hash = ChainHash(hash, tokens + static_cast<std::ptrdiff_t>(d) * tpb_, tpb_, p.digests[i]);
-    p.hashes[i] = hash;
-  }
-  return p;
-}
-
-std::int32_t KVCacheManager::FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const {
-  if (!prefill.has_value()) return static_cast<std::int32_t>(n);
-  return static_cast<std::int32_t>(std::min<std::int64_t>(static_cast<std::int64_t>(n),
-                                                          static_cast<std::int64_t>(reused) + *prefill));
-}
-
-std::map<WindowSize, std::int32_t> KVCacheManager::BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
-                                                                          const ReuseExtras& extras,
-                                                                          std::optional<std::int32_t> prefill,
-                                                                          const PreparedPrompt* prepared) const {
-  ValidatePrefill(prefill, "get_num_blocks_to_allocate", -1);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
-  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
-  PromptBlocksNeeded(plan, CeilDiv(first, tpb_));
-  std::map<WindowSize, std::int32_t> out;
-  for (std::size_t w = 0; w < windows_.size(); ++w) out.emplace_hint(out.end(), window_sizes_[w], prompt_need_[w]);
-  return out;
-}
-
-std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,
-                                                                          const ReuseExtras& extras,
-                                                                          std::optional<std::int32_t> prefill) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  ValidatePrompt(tokens, n, "get_num_blocks_to_allocate", -1);
-  return BlocksToAllocateLocked(tokens, n, extras, prefill, nullptr);
-}
-
-std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const PreparedPrompt& prompt,
-                                                                          std::optional<std::int32_t> prefill) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckPrepared(prompt);
-  return BlocksToAllocateLocked(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, prefill, &prompt);
-}
-
-std::int32_t KVCacheManager::AddSequence(SeqId id, const TokenId* tokens, std::size_t n,
-                                         const SequenceOptions& options, std::optional<std::int32_t> prefill) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return AddSequenceLocked(id, tokens, n, options, prefill, nullptr);
-}
-
-std::int32_t KVCacheManager::AddSequence(SeqId id, const PreparedPrompt& prompt, const SequenceOptions& options,
-                                         std::optional<std::int32_t> prefill) {
-  // The sequence keeps the prompt: a copy, since the caller keeps this one.
-  return AddSequence(id, std::make_shared<const PreparedPrompt>(prompt), options, prefill);
-}
-
-std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const PreparedPrompt> prompt,
-                                         const SequenceOptions& options, std::optional<std::int32_t> prefill) {
-  if (prompt == nullptr) ThrowInvalid("add_sequence: null prepared prompt");
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckPrepared(*prompt);
-  const PreparedPrompt& p = *prompt;
-  return AddSequenceLocked(id, p.tokens.data(), p.tokens.size(), options, prefill, std::move(prompt));
-}
-
-std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
-                                               const SequenceOptions& options, std::optional<std::int32_t> prefill,
-                                               std::shared_ptr<const PreparedPrompt> prepared) {
-  if (id < 0) ThrowInvalid("request_id must be >= 0, got ", id);
-  if (sequences_.count(id) != 0) ThrowInvalid("request id ", id, " is already registered");
-  if (prepared == nullptr) ValidatePrompt(tokens, n, "add_sequence", id);  // a prepared one was checked
-  const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
-  auto check_priority = [id](const char* what, int p) {
-    if (p < kMinPriority || p > kMaxPriority) ThrowInvalid("request ", id, ": ", what, " must be in 0..100, got ", p);
-  };
-  const int priority = options.priority.value_or(kDefaultPriority);
-  check_priority("priority", priority);
-  if (options.decode_priority.has_value()) check_priority("decode_priority", *options.decode_priority);
-  if (options.decode_duration_ms < 0) ThrowInvalid("request ", id, ": decode_duration_ms must be >= 0");
-  for (const PriorityRange& r : options.priority_ranges) {
-    check_priority("a priority range's priority", r.priority);
-    if (r.start < 0 || (r.end >= 0 && r.end <= r.start) || r.duration_ms < 0) {
-      ThrowInvalid("request ", id, ": bad priority range [", r.start, ", ", r.end, ")");
-    }
-  }
-  ValidateMultimodal(extras, "add_sequence", id);
-  if (max_batch_size_ > 0 && sequences_.size() >= static_cast<std::size_t>(max_batch_size_)) {
-    throw KVCacheError(detail::Concat("request ", id, ": max_batch_size (", max_batch_size_,
-                                      ") sequences are already registered"));
-  }
-  ValidatePrefill(prefill, "add_sequence", id);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
-  const std::int32_t reused = plan.reused_tokens;
-  // Blocks now for the reused prefix and the first chunk; the rest of the prompt comes by Prefill.
-  const std::int32_t first = FirstChunkEnd(n, reused, prefill);
-  const std::int32_t num_blocks = CeilDiv(first, tpb_);
-  const std::int32_t prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
-  const std::int32_t full = plan.full_blocks;
-  const std::int32_t has_partial = plan.partial_tokens > 0 ? 1 : 0;
-  PromptBlocksNeeded(plan, num_blocks);
-  const std::vector<std::int32_t>& need = prompt_need_;
-  const std::vector<std::int32_t>& front = prompt_front_;
-  std::vector<std::vector<BlockId>> keep;
-  {
-    std::vector<std::int64_t>& available = check_available_;
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      check_need_[w] = need[w];
-      available[w] = windows_[w]->NumFreePrimary();
-    }
-    if (lending_) {  // what this call claims or copies from is not lent
-      keep.resize(windows_.size());
-      for (std::size_t w = 0; w < windows_.size(); ++w) {
-        for (std::int32_t i = front[w]; i < full; ++i) {
-          keep[w].push_back(tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
-        }
-        if (has_partial) keep[w].push_back(plan.partial_src[w]);
-      }
-    }
-    const std::int64_t short_w = PlanBlocks(check_need_, available, lending_ ? &keep : nullptr);
-    if (short_w >= 0) {
-      const auto w = static_cast<std::size_t>(short_w);
-      throw OutOfBlocksError(detail::Concat("request ", id, ": window ", window_sizes_[w], " needs ", need[w],
-                                            " blocks for a ", n, "-token prompt (", reused,
-                                            " tokens reused) but has ", available[w], " free", LendNote(w)));
-    }
-  }
-  Sequence& seq = sequences_[id];
-  seq.id = id;
-  seq.num_tokens = first;
-  seq.prompt_len = static_cast<std::int32_t>(n);
-  seq.priority = priority;
-  seq.explicit_priority = options.priority.has_value() || !options.priority_ranges.empty();
-  seq.priority_ranges = options.priority_ranges;
-  seq.decode_priority = options.decode_priority;
-  seq.decode_duration_ms = options.decode_duration_ms;
-  seq.extras = extras;
-  if (prepared == nullptr) {
-    seq.tokens.assign(tokens, tokens + n);
-  } else {
-    seq.prompt = std::move(prepared);  // shared: its tokens and keys are not copied
-  }
-  seq.windows.resize(windows_.size());
-  seq.reused_tokens = reused;
-  // Claim everything the plan reuses before taking any free block, so that no eviction can
-  // pick a block this sequence is about to use.
-  std::vector<char> src_held(windows_.size(), 0);
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    SequenceWindow& sw = seq.windows[w];
-    sw.blocks.reserve(static_cast<std::size_t>(prompt_blocks));  // later chunks grow it in place
-    sw.blocks.assign(static_cast<std::size_t>(num_blocks), kNullBlock);
-    sw.front_null = front[w];
-    sw.released.assign(static_cast<std::size_t>(front[w]), {kNullBlock, 0});
-    for (std::int32_t i = front[w]; i < full; ++i) {
-      Attach(seq, w, i, Handout::kShare, tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w)));
-    }
-    if (has_partial && !plan.partial_takeover[w]) {
-      // A source that is copied is held only while the copy is issued. A free primary source is
-      // not held (that would cost a free block): the copy happens first (below), and if that
-      // block is itself the next victim it is taken over instead.
-      const BlockId src = plan.partial_src[w];
-      src_held[w] = !wm.IsPrimary(src) || wm.RefCount(src) > 0;
-      if (src_held[w]) wm.Claim(src);
-    }
-  }
-  // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
-  // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
-  MoveSlabs(lending_ ? &keep : nullptr);
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    if (has_partial && plan.partial_takeover[w]) Attach(seq, w, full, Handout::kTakeOver, plan.partial_src[w]);
-  }
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    WindowBlockManager& wm = *windows_[w];
-    SequenceWindow& sw = seq.windows[w];
-    std::int64_t fresh = 0;
-    if (has_partial && !plan.partial_takeover[w]) {  // first: before any other block of this window is taken
-      const BlockId src = plan.partial_src[w];
-      if (!src_held[w] && wm.policy().Peek(CacheLevel::kPrimary) == src) {
-        Attach(seq, w, full, Handout::kTakeOver, src);  // the free source is the next victim anyway
-      } else {
-        // A free source that this acquisition's eviction unlinks keeps its bytes until it is
-        // handed out, which cannot happen before the copy below.
-        AttachFresh(seq, w, full, full + 1);
-        wm.CopyTokens(sw.blocks[static_cast<std::size_t>(full)], src, plan.partial_tokens);
-        if (src_held[w]) wm.Release(src);
-        ++fresh;
-      }
-    }
-    for (std::int32_t i = front[w]; i < full; ++i) {
-      if (!wm.IsPrimary(sw.blocks[static_cast<std::size_t>(i)])) {
-        Attach(seq, w, i, Handout::kOnboard);
-        ++fresh;
-      }
-    }
-    AttachFresh(seq, w, full + has_partial, num_blocks);
-    fresh += num_blocks - (full + has_partial);
-    const std::int64_t reused_w = reuse_ ? full + has_partial : 0;
-    const std::int64_t missed_w = reuse_ ? prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
-    counters_[w].alloc_total += num_blocks - front[w];
-    counters_[w].alloc_new += fresh;
-    counters_[w].reused += reused_w;
-    counters_[w].missed += missed_w;
-    seq.reused_blocks += reused_w;
-    seq.missed_blocks += missed_w;
-    seq.new_blocks += fresh;
-  }
-  // Onboards, partial copies and offloads must land before the engine reads or overwrites
-  // these blocks: the call returns with every copy complete.
-  backend_->Synchronize();
-  return reused;
-}
-
 void KVCacheManager::Prefill(SeqId id, std::int32_t num_tokens) { Prefill(&id, &num_tokens, 1); }
 
 void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, std::size_t n) {
@@ -939,10 +359,11 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
     if (n == 1) {
       throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
                                             window_sizes_[w], " for ", num_tokens[0], " tokens but only ", available,
-                                            " can be freed or are free", LendNote(w)));
+                                            " can be freed or are free", lender_->LendNote(w)));
     }
     throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ", n,
-                                          " requests but only ", available, " can be freed or are free", LendNote(w)));
+                                          " requests but only ", available, " can be freed or are free",
+                                          lender_->LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: every sequence releases first (the check credited those blocks), then hands out.
@@ -985,8 +406,9 @@ void KVCacheManager::ThrowRepeated(SeqId id, const char* call) {
 }
 
 std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
-  // Releases are counted only where they matter: in a window short of free blocks, and under
-  // lending in every window (the others lend what they keep beyond their need).
+  // Releases are counted only where they matter: in a window short of free blocks and, once one
+  // is, in every window, since a lender may borrow what the others keep beyond their need.
+  // (Without lending the call fails then anyway: the other windows' counts change no answer.)
   bool short_of_blocks = false;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     std::int64_t& available = check_available_[w];
@@ -998,13 +420,11 @@ std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
     short_of_blocks = short_of_blocks || available < need;
   }
   if (!short_of_blocks) return -1;
-  if (lending_) {
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
-    }
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
   }
   std::fill(check_need_.begin(), check_need_.end(), need);
-  return PlanBlocks(check_need_, check_available_);
+  return lender_->PlanBlocks(check_need_, check_available_);
 }
 
 std::int64_t KVCacheManager::FreedByBatchReleases(std::size_t w) {
@@ -1062,7 +482,8 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   if (short_w >= 0) {
     const auto w = static_cast<std::size_t>(short_w);
     throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                          " but only ", check_available_[w], " can be freed or are free", LendNote(w)));
+                                          " but only ", check_available_[w], " can be freed or are free",
+                                          lender_->LendNote(w)));
   }
   MoveSlabs();
   // 3. Mutate: append, release what left each sliding window, then allocate.
@@ -1141,11 +562,11 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
     need[w] = 1;
     for (std::size_t j = keep; j < blocks.size(); ++j) available[w] += wm.RefCount(blocks[j]) == 1 ? 1 : 0;
   }
-  const std::int64_t short_w = PlanBlocks(need, available);
+  const std::int64_t short_w = lender_->PlanBlocks(need, available);
   if (short_w >= 0) {
     throw OutOfBlocksError(detail::Concat("rewind: request ", id, " needs a private copy of a shared block in window ",
                                           window_sizes_[static_cast<std::size_t>(short_w)], " but no block is free",
-                                          LendNote(static_cast<std::size_t>(short_w))));
+                                          lender_->LendNote(static_cast<std::size_t>(short_w))));
   }
   MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
@@ -1191,25 +612,15 @@ std::vector<BlockId> KVCacheManager::GetCacheBlockIds(SeqId id, WindowSize windo
   return Find(id).windows[w].blocks;
 }
 
-std::int32_t KVCacheManager::FreeBlocksLocked(std::size_t w) const {
-  std::int64_t free = windows_[w]->NumFreePrimary();
-  if (lending_) {
-    for (std::size_t v = 0; v < windows_.size(); ++v) {
-      if (v != w) free += static_cast<std::int64_t>(windows_[v]->NumFreeSlabs()) * windows_[w]->blocks_per_slab();
-    }
-  }
-  return static_cast<std::int32_t>(free);
-}
-
 std::int32_t KVCacheManager::GetNumFreeBlocks(WindowSize window) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return FreeBlocksLocked(WindowIndex(window));
+  return lender_->FreeBlocks(WindowIndex(window));
 }
 
 std::int32_t KVCacheManager::GetMinNumFreeBlocks() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int32_t m = FreeBlocksLocked(0);
-  for (std::size_t w = 1; w < windows_.size(); ++w) m = std::min(m, FreeBlocksLocked(w));
+  std::int32_t m = lender_->FreeBlocks(0);
+  for (std::size_t w = 1; w < windows_.size(); ++w) m = std::min(m, lender_->FreeBlocks(w));
   return m;
 }
 
@@ -1223,89 +634,18 @@ bool KVCacheManager::CanAllocate(const std::map<WindowSize, std::int32_t>& need)
     want[w] = std::max(n, 0);
     available[w] += std::max(-n, 0);  // a credit
   }
-  return FirstUnserved(want, available, nullptr, /*over_calls=*/true, nullptr, nullptr) < 0;
+  return lender_->ServesStep(want, available);
 }
 
 bool KVCacheManager::FitsWhenEmpty(const std::map<WindowSize, std::int32_t>& need) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::int64_t slabs = 0;
-  for (const auto& [window, n] : need) {
-    const WindowBlockManager& wm = *windows_[WindowIndex(window)];
-    if (n <= 0) continue;
-    if (!lending_ && n > wm.NumOwnedPrimary()) return false;
-    if (lending_) slabs += CeilDiv(n, wm.blocks_per_slab());
-  }
-  return !lending_ || slabs <= windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
+  return lender_->FitsWhenEmpty(need, [this](WindowSize window) { return WindowIndex(window); });
 }
 
 std::int32_t KVCacheManager::GetNumUsedBlocks(WindowSize window) const {
   std::lock_guard<std::mutex> lock(mu_);
   const WindowBlockManager& wm = *windows_[WindowIndex(window)];
   return wm.NumOwnedPrimary() - wm.NumFreePrimary();
-}
-
-std::int32_t KVCacheManager::CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
-                                              const SeqId* ids, std::size_t n, std::int64_t slot_offset) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (slot_offset < 0) ThrowInvalid("slot_offset must be >= 0, got ", slot_offset);
-  if (rows < 0 || width < 0) ThrowInvalid("copy_block_offsets: negative output shape ", rows, " x ", width);
-  // Compared without forming slot_offset + n, which can overflow.
-  if (slot_offset > rows || static_cast<std::uint64_t>(n) > static_cast<std::uint64_t>(rows - slot_offset)) {
-    ThrowInvalid("copy_block_offsets: ", n, " rows from slot_offset ", slot_offset, " do not fit an output with ", rows,
-                 " rows");
-  }
-  std::int32_t widest = 0;
-  std::vector<const Sequence*> seqs;
-  seqs.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    seqs.push_back(&Find(ids[i]));
-    widest = std::max(widest, static_cast<std::int32_t>(seqs.back()->windows[0].blocks.size()));
-  }
-  if (widest > width) {
-    ThrowInvalid("copy_block_offsets: a sequence spans ", widest, " blocks but the output is ", width, " wide");
-  }
-  const std::int64_t kv = kv_factor_;
-  for (std::size_t g = 0; g < pool_index_.size(); ++g) {
-    const auto [w, p] = pool_index_[g];
-    // Offsets count K/V slabs of the pool from its base; a block is `stride` of them.
-    const std::int64_t stride =
-        static_cast<std::int64_t>(windows_[w]->primary_stride(p) / windows_[w]->pools()[p].SlabBytes());
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto& blocks = seqs[i]->windows[w].blocks;
-      for (std::int64_t k = 0; k < kv; ++k) {
-        std::int32_t* row = out + ((static_cast<std::int64_t>(g) * rows + slot_offset + static_cast<std::int64_t>(i)) * kv + k) * width;
-        std::int32_t j = 0;
-        for (; j < static_cast<std::int32_t>(blocks.size()); ++j) {
-          const BlockId b = blocks[static_cast<std::size_t>(j)];
-          row[j] = b == kNullBlock ? kOffsetSentinel : static_cast<std::int32_t>(b * stride + k);
-        }
-        for (; j < widest; ++j) row[j] = kOffsetSentinel;
-      }
-    }
-  }
-  return widest;
-}
-
-LayerView KVCacheManager::GetLayerView(std::int32_t layer) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (layer < 0 || layer >= static_cast<std::int32_t>(layer_to_pool_.size())) {
-    ThrowInvalid("layer_idx ", layer, " is out of range [0, ", layer_to_pool_.size(), ")");
-  }
-  if (!backend_->HasMemory()) throw KVCacheError("the virtual backend has no KV memory to view");
-  const auto [g, idx] = layer_to_pool_[static_cast<std::size_t>(layer)];
-  const auto [w, p] = pool_index_[static_cast<std::size_t>(g)];
-  const WindowBlockManager& wm = *windows_[w];
-  const PoolLayout& pool = wm.pools()[p];
-  const std::int64_t elem = pool.elem_bytes;
-  const auto slab = static_cast<std::int64_t>(pool.SlabBytes());
-  LayerView view;
-  view.data = static_cast<unsigned char*>(wm.primary_base(p)) + static_cast<std::int64_t>(idx) * kv_factor_ * slab;
-  view.dtype = pool.dtype;
-  view.shape = {wm.num_primary(), kv_factor_, pool.num_kv_heads, tpb_, pool.head_dim};
-  view.strides = {static_cast<std::int64_t>(wm.primary_stride(p)), slab,
-                  static_cast<std::int64_t>(tpb_) * pool.head_dim * elem, pool.head_dim * elem, elem};
-  view.backend = backend_->Kind();
-  return view;
 }
 
 KvCacheStats KVCacheManager::GetStats() const {
@@ -1329,125 +669,12 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.onboarded_blocks += wm.onboarded_blocks();
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
-  s.lent_slabs = lent_slabs_;
-  s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(arena_.bytes) : 0;
+  s.lent_slabs = lender_->lent_slabs();
+  s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(lender_->arena_bytes()) : 0;
   s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
   const auto lookups = s.reused_blocks + s.missed_blocks;
   s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
   return s;
-}
-
-void KVCacheManager::CheckInvariants() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::vector<std::int32_t>> refs(windows_.size());
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    refs[w] = pins_[w];  // pins hold references too
-  }
-  for (const auto& [id, seq] : sequences_) {
-    KVC_CHECK(seq.id == id, "sequence id mismatch");
-    KVC_CHECK(static_cast<std::int32_t>(seq.TokenCount()) == std::max(seq.num_tokens, seq.prompt_len),
-              detail::Concat("request ", id, ": token count ", seq.TokenCount(), " for ", seq.num_tokens,
-                             " tokens with blocks and a prompt of ", seq.prompt_len));
-    KVC_CHECK(seq.num_tokens >= 1 && seq.num_tokens <= max_seq_len_, detail::Concat("request ", id, ": bad length"));
-    const auto positions = static_cast<std::size_t>(CeilDiv(seq.num_tokens, tpb_));
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      const SequenceWindow& sw = seq.windows[w];
-      KVC_CHECK(sw.blocks.size() == positions,
-                detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.blocks.size(),
-                               " block positions for ", seq.num_tokens, " tokens"));
-      const std::int64_t limit = windows_[w]->is_swa() ? seq.num_tokens - window_sizes_[w] : 0;
-      KVC_CHECK(static_cast<std::int32_t>(sw.released.size()) == sw.front_null,
-                detail::Concat("request ", id, ": released list does not match the released front"));
-      KVC_CHECK(sw.front_null == 0 || static_cast<std::int64_t>(sw.front_null) * tpb_ <= limit,
-                detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.front_null,
-                               " released blocks reach into the window"));
-      for (std::size_t j = 0; j < positions; ++j) {
-        const BlockId b = sw.blocks[j];
-        if (static_cast<std::int32_t>(j) < sw.front_null) {
-          KVC_CHECK(b == kNullBlock, detail::Concat("request ", id, ": released position ", j, " holds a block"));
-          continue;
-        }
-        KVC_CHECK(b >= 0 && b < windows_[w]->num_primary() && windows_[w]->Owns(b),
-                  detail::Concat("request ", id, ", window ", window_sizes_[w], ": position ", j,
-                                 " holds invalid block ", b));
-        ++refs[w][static_cast<std::size_t>(b)];
-      }
-    }
-  }
-  tree_->CheckInvariants();
-  for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
-  if (lending_) {  // the windows' slabs partition the arena
-    const std::int32_t slabs = windows_[0]->num_primary() / windows_[0]->blocks_per_slab();
-    for (std::int32_t k = 0; k < slabs; ++k) {
-      std::int32_t owners = 0;
-      for (const auto& wm : windows_) owners += wm->OwnsSlab(k) ? 1 : 0;
-      KVC_CHECK(owners == 1, detail::Concat("slab ", k, " of the shared arena has ", owners, " owners"));
-    }
-  }
-  for (const std::int64_t b : borrow_) KVC_CHECK(b == 0, "planned slab moves outlived their call");
-  CheckOwnership();
-}
-
-void KVCacheManager::CheckOwnership() const {
-  // 1. Every release record whose block was not handed out again names its sequence among the
-  //    block's releasers, and the releaser lists hold nothing else.
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const WindowBlockManager& wm = *windows_[w];
-    std::vector<std::vector<SeqId>> expected(static_cast<std::size_t>(wm.num_blocks()));
-    for (const auto& [id, seq] : sequences_) {
-      for (const auto& [b, generation] : seq.windows[w].released) {
-        if (b == kNullBlock) continue;
-        KVC_CHECK(generation <= wm.Generation(b), detail::Concat("request ", id, ": release record of block ", b,
-                                                                 " is newer than the block"));
-        if (wm.Generation(b) == generation) expected[static_cast<std::size_t>(b)].push_back(id);
-      }
-    }
-    for (std::size_t b = 0; b < expected.size(); ++b) {
-      std::vector<SeqId> got = wm.Releasers(static_cast<BlockId>(b));
-      std::sort(got.begin(), got.end());
-      std::sort(expected[b].begin(), expected[b].end());
-      KVC_CHECK(got == expected[b], detail::Concat("window ", window_sizes_[w], ": block ", b, " has ", got.size(),
-                                                   " releasers but ", expected[b].size(), " current release records"));
-    }
-  }
-  // 2. A cached block that a sequence holds, or still owns through a current release record,
-  //    sits at the tree node of that sequence's own prefix at that position: same depth, a key
-  //    that is a prefix of the block's tokens (a partial node keys only the first ones) and the
-  //    same chained hash. (A block cached under another prefix would serve that prefix stale KV.)
-  for (const auto& [id, seq] : sequences_) {
-    const std::int32_t num_blocks = CeilDiv(seq.num_tokens, tpb_);
-    std::vector<std::uint64_t> chain(static_cast<std::size_t>(num_blocks) + 1, 0);  // chain[j]: before block j
-    for (std::int32_t d = 0; d < seq.num_tokens / tpb_; ++d) {  // full blocks: every block but maybe the last
-      chain[static_cast<std::size_t>(d) + 1] =
-          ChainHash(chain[static_cast<std::size_t>(d)], seq.TokenData() + static_cast<std::ptrdiff_t>(d) * tpb_,
-                    tpb_, BlockExtrasDigest(seq.extras, d, d * tpb_, tpb_));
-    }
-    for (std::size_t w = 0; w < windows_.size(); ++w) {
-      const WindowBlockManager& wm = *windows_[w];
-      const SequenceWindow& sw = seq.windows[w];
-      auto check = [&](BlockId b, std::int32_t j) {
-        const NodeId node = wm.NodeOf(b);
-        if (node == kNoNode) return;
-        const std::int32_t start = j * tpb_;
-        const std::int32_t len = tree_->NumTokens(node);
-        const TokenId* own = seq.TokenData() + start;
-        const bool same = tree_->Depth(node) == j + 1 && len >= 1 && start + len <= seq.num_tokens &&
-                          std::equal(own, own + len, tree_->Tokens(node)) &&
-                          tree_->Hash(node) == ChainHash(chain[static_cast<std::size_t>(j)], own, len,
-                                                         BlockExtrasDigest(seq.extras, j, start, len));
-        KVC_CHECK(same, detail::Concat("request ", id, ", window ", window_sizes_[w], ": block ", b, " at position ", j,
-                                       " is cached under a different prefix (tree node ", node, ", depth ",
-                                       tree_->Depth(node), ", ", len, " tokens)"));
-      };
-      for (std::int32_t j = 0; j < sw.front_null; ++j) {
-        const auto [b, generation] = sw.released[static_cast<std::size_t>(j)];
-        if (b != kNullBlock && wm.Generation(b) == generation) check(b, j);
-      }
-      for (auto j = sw.front_null; j < static_cast<std::int32_t>(sw.blocks.size()); ++j) {
-        check(sw.blocks[static_cast<std::size_t>(j)], j);
-      }
-    }
-  }
 }
 
 }  // namespace kvcache

@@ -46,10 +46,21 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
   // The last prompt token is never part of a key: its KV is computed again for the logits.
   const auto key_len = static_cast<std::int32_t>(n) - 1;
   if (key_len <= 0) return plan;
-  const std::int32_t num_full = key_len / tpb_;
+  MatchFullBlocks(tokens, key_len / tpb_, extras, prepared, &plan.path);
+  plan.full_blocks = ServedPrefix(plan.path);
+  plan.reused_tokens = plan.full_blocks * tpb_;
+  if (!partial_reuse_) return plan;
+  if (MatchPartialBlock(tokens, key_len, extras, &plan)) {
+    KVC_CHECK(plan.reused_tokens < static_cast<std::int32_t>(n), "reuse plan covers the last prompt token");
+  }
+  return plan;
+}
+
+void KVCacheManager::MatchFullBlocks(const TokenId* tokens, std::int32_t num_full, const ReuseExtras& extras,
+                                     const PreparedPrompt* prepared, std::vector<NodeId>* path) const {
   NodeId node = ReuseTree::kRoot;
   std::uint64_t hash = 0;
-  plan.path.reserve(static_cast<std::size_t>(num_full));
+  path->reserve(static_cast<std::size_t>(num_full));
   for (std::int32_t d = 0; d < num_full; ++d) {
     const TokenId* t = tokens + static_cast<std::ptrdiff_t>(d) * tpb_;
     const auto i = static_cast<std::size_t>(d);
@@ -57,23 +68,24 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
     const std::uint64_t h = prepared != nullptr ? prepared->hashes[i] : ChainHash(hash, t, tpb_, digest);
     const NodeId child = tree_->FindChild(node, h, t, tpb_, digest);
     if (child == kNoNode) break;
-    plan.path.push_back(child);
+    path->push_back(child);
     node = child;
     hash = h;
   }
+}
+
+std::int32_t KVCacheManager::ServedPrefix(const std::vector<NodeId>& path) const {
   // The longest block-aligned prefix every window can serve: a full-attention window needs every
   // block before it, a sliding window only those covering its last `window` tokens. The first
   // pass cuts at a full-attention gap and looks for sliding-window gaps; only with one (blocks
-  // released and reclaimed) does the second pass run: last_gap[w] is the last position below p
-  // that window w lacks, and prefix p is served when every sliding window's gap lies before the
-  // first block it needs at p.
-  auto full = static_cast<std::int32_t>(plan.path.size());
+  // released and reclaimed) does the second pass run.
+  auto full = static_cast<std::int32_t>(path.size());
   bool swa_gap = false;  // some sliding window lacks a block on the path (else it serves every prefix)
-  for (std::size_t w = 0; w < nw; ++w) {
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
     const bool swa = windows_[w]->is_swa();
     const auto wi = static_cast<std::int32_t>(w);
     for (std::int32_t i = 0; i < full; ++i) {
-      if (tree_->Block(plan.path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
+      if (tree_->Block(path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
         if (swa) {
           swa_gap = true;
         } else {
@@ -83,38 +95,45 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
       }
     }
   }
-  if (swa_gap && full > 0) {
-    std::array<std::int32_t, kMaxWindowsOnStack> gaps_on_stack;
-    std::vector<std::int32_t> gaps_on_heap;
-    std::int32_t* last_gap = gaps_on_stack.data();
-    if (nw > kMaxWindowsOnStack) {
-      gaps_on_heap.resize(nw);
-      last_gap = gaps_on_heap.data();
-    }
-    std::fill(last_gap, last_gap + nw, -1);
-    std::int32_t best = 0;
-    for (std::int32_t i = 0; i < full; ++i) {
-      const NodeId nd = plan.path[static_cast<std::size_t>(i)];
-      bool served = true;
-      for (std::size_t w = 0; w < nw; ++w) {
-        if (!windows_[w]->is_swa()) continue;
-        if (tree_->Block(nd, static_cast<std::int32_t>(w)) == kNullBlock) last_gap[w] = i;
-        // max(0, (i + 1) * tpb - window) / tpb without a division per block and window.
-        const std::int32_t first_needed = std::max(0, i + 1 - window_blocks_[w]);
-        if (last_gap[w] >= first_needed) served = false;
-      }
-      if (served) best = i + 1;
-    }
-    full = best;
+  return swa_gap && full > 0 ? ServedBySlidingWindows(path, full) : full;
+}
+
+std::int32_t KVCacheManager::ServedBySlidingWindows(const std::vector<NodeId>& path, std::int32_t full) const {
+  // last_gap[w] is the last position below p that window w lacks, and prefix p is served when
+  // every sliding window's gap lies before the first block it needs at p.
+  const std::size_t nw = windows_.size();
+  std::array<std::int32_t, kMaxWindowsOnStack> gaps_on_stack;
+  std::vector<std::int32_t> gaps_on_heap;
+  std::int32_t* last_gap = gaps_on_stack.data();
+  if (nw > kMaxWindowsOnStack) {
+    gaps_on_heap.resize(nw);
+    last_gap = gaps_on_heap.data();
   }
-  plan.full_blocks = full;
-  plan.reused_tokens = full * tpb_;
-  if (!partial_reuse_) return plan;
-  // A partial match of the next block: the child sharing the longest token prefix with it.
+  std::fill(last_gap, last_gap + nw, -1);
+  std::int32_t best = 0;
+  for (std::int32_t i = 0; i < full; ++i) {
+    const NodeId nd = path[static_cast<std::size_t>(i)];
+    bool served = true;
+    for (std::size_t w = 0; w < nw; ++w) {
+      if (!windows_[w]->is_swa()) continue;
+      if (tree_->Block(nd, static_cast<std::int32_t>(w)) == kNullBlock) last_gap[w] = i;
+      // max(0, (i + 1) * tpb - window) / tpb without a division per block and window.
+      const std::int32_t first_needed = std::max(0, i + 1 - window_blocks_[w]);
+      if (last_gap[w] >= first_needed) served = false;
+    }
+    if (served) best = i + 1;
+  }
+  return best;
+}
+
+bool KVCacheManager::MatchPartialBlock(const TokenId* tokens, std::int32_t key_len, const ReuseExtras& extras,
+                                       ReusePlan* plan) const {
+  const std::size_t nw = windows_.size();
+  const std::int32_t full = plan->full_blocks;
   const std::int32_t start = full * tpb_;
   const std::int32_t query = std::min(tpb_, key_len - start);
-  if (query <= 0 || HasMultimodal(extras, start, query)) return plan;
-  const NodeId parent = full == 0 ? ReuseTree::kRoot : plan.path[static_cast<std::size_t>(full - 1)];
+  if (query <= 0 || HasMultimodal(extras, start, query)) return false;
+  const NodeId parent = full == 0 ? ReuseTree::kRoot : plan->path[static_cast<std::size_t>(full - 1)];
   const std::uint64_t digest = BlockExtrasDigest(extras, full, start, query);
   NodeId best = kNoNode;
   std::int32_t best_tokens = 0;
@@ -132,18 +151,139 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
     best = c;
     best_tokens = common;
   });
-  if (best == kNoNode) return plan;
-  plan.partial = best;
-  plan.partial_tokens = best_tokens;
-  plan.reused_tokens += best_tokens;
+  if (best == kNoNode) return false;
+  plan->partial = best;
+  plan->partial_tokens = best_tokens;
+  plan->reused_tokens += best_tokens;
   for (std::size_t w = 0; w < nw; ++w) {
     const BlockId b = tree_->Block(best, static_cast<std::int32_t>(w));
-    plan.partial_src[w] = b;
-    plan.partial_takeover[w] =
+    plan->partial_src[w] = b;
+    plan->partial_takeover[w] =
         windows_[w]->RefCount(b) == 0 && windows_[w]->IsPrimary(b) && tree_->IsLeaf(best) ? 1 : 0;
   }
-  KVC_CHECK(plan.reused_tokens < static_cast<std::int32_t>(n), "reuse plan covers the last prompt token");
-  return plan;
+  return true;
+}
+
+/// The stored events of one StoreChain walk: per window, one event per run of consecutive
+/// positions that it linked.
+class KVCacheManager::StoredEvents {
+ public:
+  StoredEvents(EventLog* log, std::size_t num_windows)
+      : log_(log), stored_(log != nullptr ? num_windows : 0), last_(log != nullptr ? num_windows : 0, -2) {}
+  bool on() const { return log_ != nullptr; }
+  /// `block`, linked at position `d` of window `w` (size `window`) below `parent`.
+  void Add(std::size_t w, WindowSize window, std::int32_t d, const ChainNode& parent, StoredBlock block) {
+    if (last_[w] != d - 1) {
+      Flush(w);
+      stored_[w].kind = EventKind::kStored;
+      stored_[w].window_size = window;
+      if (parent.node != ReuseTree::kRoot) stored_[w].parent_hash = parent.hash;
+    }
+    stored_[w].blocks.push_back(std::move(block));
+    last_[w] = d;
+  }
+  void FlushAll() {
+    for (std::size_t w = 0; w < stored_.size(); ++w) Flush(w);
+  }
+
+ private:
+  void Flush(std::size_t w) {
+    if (!stored_[w].blocks.empty()) {
+      log_->Push(std::move(stored_[w]));
+      stored_[w] = KVCacheEvent{};
+    }
+  }
+  EventLog* log_;
+  std::vector<KVCacheEvent> stored_;
+  std::vector<std::int32_t> last_;  // per window: the position of its last stored block
+};
+
+BlockId KVCacheManager::OwnBlock(const Sequence& seq, std::size_t w, std::int32_t d) const {
+  const SequenceWindow& sw = seq.windows[w];
+  if (d >= sw.front_null) return sw.blocks[static_cast<std::size_t>(d)];
+  const auto [released, generation] = sw.released[static_cast<std::size_t>(d)];
+  // A released block still holds this sequence's KV unless it was handed out again.
+  return released != kNullBlock && windows_[w]->Generation(released) == generation ? released : kNullBlock;
+}
+
+bool KVCacheManager::Settled(std::size_t w, NodeId node, BlockId b) const {
+  // Position d (node `node`) is *settled* in window w when no later walk can store anything
+  // there: the node holds the sequence's block b, or the sequence has no block there and the
+  // window never drops a chain below an evicted block (a sliding window under "placeholder").
+  // Why nothing can store there later: a live b is never unlinked while the sequence holds it
+  // (the positions before it are settled too, so no eviction above it can drop it); a released
+  // b leaves the node only when it is handed out again, which makes the sequence's record of it
+  // stale, and only a sliding window releases blocks. That holds only where sliding windows drop
+  // no chains: under "invalidate" a sequence that reclaims its own released block stays valid,
+  // and a block another sequence links there later could drop the sequence's blocks below when
+  // it is evicted. So under "invalidate" with a sliding window every walk starts at the root
+  // (StoreResumable).
+  if (b != kNullBlock) return tree_->Block(node, static_cast<std::int32_t>(w)) == b;
+  return windows_[w]->is_swa() && swa_policy_ == SwaReusePolicy::kPlaceholder;
+}
+
+bool KVCacheManager::StoreResumable() const {
+  return swa_policy_ == SwaReusePolicy::kPlaceholder ||
+         std::none_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
+}
+
+std::uint64_t KVCacheManager::ChainKey(const Sequence& seq, std::int32_t key_len, std::int32_t d,
+                                       std::uint64_t parent_hash, std::int32_t* len, std::uint64_t* digest) const {
+  const std::int32_t start = d * tpb_;
+  *len = std::min(tpb_, key_len - start);
+  // A prepared prompt's full blocks were keyed once; the rest is keyed here.
+  const bool keyed =
+      *len == tpb_ && d < static_cast<std::int32_t>(seq.NumKeyedBlocks()) && start + *len <= seq.prompt_len;
+  const auto i = static_cast<std::size_t>(d);
+  *digest = keyed ? seq.prompt->digests[i] : BlockExtrasDigest(seq.extras, d, start, *len);
+  return keyed ? seq.prompt->hashes[i] : ChainHash(parent_hash, seq.TokenData() + start, *len, *digest);
+}
+
+std::pair<BlockId, std::uint32_t> KVCacheManager::ReleaseRecord(const Sequence& seq, std::size_t w,
+                                                                std::int32_t d) const {
+  const SequenceWindow& sw = seq.windows[w];
+  if (d < sw.front_null) return sw.released[static_cast<std::size_t>(d)];
+  const BlockId b = sw.blocks[static_cast<std::size_t>(d)];
+  return {b, windows_[w]->Generation(b)};
+}
+
+KVCacheManager::ChainNode KVCacheManager::ResumeStore(const Sequence& seq, std::int32_t key_len) const {
+  // Resume where the last walk found every position before it settled (chunked prefill stores
+  // after every chunk: without this each store walks the whole prompt again). Trusted only if
+  // that walk's last node is still the same node, still settled in every window, and the
+  // tokens before it are unchanged: a rewind below it gave the guard window a new block there
+  // (handed out again or a copy: the old one was linked, so not private). Every position before
+  // the resume point must be a full block of this walk too: a store during chunked prefill keys
+  // one token more than the store at the end.
+  const Sequence::StoreResume& resume = seq.store_resume;
+  if (resume.depth <= 0 || resume.depth > key_len / tpb_ || !tree_->Alive(resume.node) ||
+      tree_->Hash(resume.node) != resume.hash || tree_->Depth(resume.node) != resume.depth) {
+    return ChainNode{};
+  }
+  const std::int32_t d = resume.depth - 1;
+  bool ok = resume.guard_window < 0 || ReleaseRecord(seq, static_cast<std::size_t>(resume.guard_window), d) ==
+                                           std::make_pair(resume.guard_block, resume.guard_generation);
+  for (std::size_t w = 0; w < windows_.size() && ok; ++w) ok = Settled(w, resume.node, OwnBlock(seq, w, d));
+  return ok ? ChainNode{resume.depth, resume.node, resume.hash} : ChainNode{};
+}
+
+void KVCacheManager::CheckStoreResume(const Sequence& seq, std::int32_t key_len, const ChainNode& start) const {
+  NodeId node_check = ReuseTree::kRoot;
+  std::uint64_t parent_hash_check = 0;
+  // From the root, every skipped position is settled.
+  for (std::int32_t d = 0, len = 0; d < start.depth; ++d) {
+    std::uint64_t digest = 0;
+    const std::uint64_t h = ChainKey(seq, key_len, d, parent_hash_check, &len, &digest);
+    node_check = tree_->FindChild(node_check, h, seq.TokenData() + static_cast<std::ptrdiff_t>(d) * tpb_, len, digest);
+    KVC_CHECK(node_check != kNoNode, detail::Concat("request ", seq.id, ": store resumes past a missing node"));
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      KVC_CHECK(Settled(w, node_check, OwnBlock(seq, w, d)),
+                detail::Concat("request ", seq.id, ": store resumes past unsettled position ", d, " of window ",
+                               window_sizes_[w]));
+    }
+    parent_hash_check = h;
+  }
+  KVC_CHECK(start.depth == 0 || node_check == start.node, "store resume node is not the chain's node");
 }
 
 std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
@@ -155,164 +295,81 @@ std::int32_t KVCacheManager::StoreChain(const Sequence& seq, std::int32_t key_le
             detail::Concat("request ", seq.id, ": storing ", key_len, " of ", seq.num_tokens, " tokens"));
   if (key_len <= 0) return 0;
   const std::int32_t num_blocks = full_only ? key_len / tpb_ : (key_len + tpb_ - 1) / tpb_;
-  const std::size_t nw = windows_.size();
-  // The block the sequence stores at position d of window w, or kNullBlock.
-  auto own_block = [&](std::size_t w, std::int32_t d) {
-    const SequenceWindow& sw = seq.windows[w];
-    if (d >= sw.front_null) return sw.blocks[static_cast<std::size_t>(d)];
-    const auto [released, generation] = sw.released[static_cast<std::size_t>(d)];
-    // A released block still holds this sequence's KV unless it was handed out again.
-    return released != kNullBlock && windows_[w]->Generation(released) == generation ? released : kNullBlock;
-  };
-  // Position d (node `node`) is *settled* in window w when no later walk can store anything
-  // there: the node holds the sequence's block b, or the sequence has no block there and the
-  // window never drops a chain below an evicted block (a sliding window under "placeholder").
-  // Why nothing can store there later: a live b is never unlinked while the sequence holds it
-  // (the positions before it are settled too, so no eviction above it can drop it); a released
-  // b leaves the node only when it is handed out again, which makes the sequence's record of it
-  // stale, and only a sliding window releases blocks. That holds only where sliding windows drop
-  // no chains: under "invalidate" a sequence that reclaims its own released block stays valid,
-  // and a block another sequence links there later could drop the sequence's blocks below when
-  // it is evicted. So under "invalidate" with a sliding window every walk starts at the root.
-  auto settled = [&](std::size_t w, NodeId node, BlockId b) {
-    if (b != kNullBlock) return tree_->Block(node, static_cast<std::int32_t>(w)) == b;
-    return windows_[w]->is_swa() && swa_policy_ == SwaReusePolicy::kPlaceholder;
-  };
-  const bool resumable =
-      swa_policy_ == SwaReusePolicy::kPlaceholder ||
-      std::none_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
-  // The key of position d below a parent with chained hash parent_hash.
-  auto key = [&](std::int32_t d, std::uint64_t parent_hash, std::int32_t* len, std::uint64_t* digest) {
-    const std::int32_t start = d * tpb_;
-    *len = std::min(tpb_, key_len - start);
-    // A prepared prompt's full blocks were keyed once; the rest is keyed here.
-    const bool keyed =
-        *len == tpb_ && d < static_cast<std::int32_t>(seq.NumKeyedBlocks()) && start + *len <= seq.prompt_len;
-    const auto i = static_cast<std::size_t>(d);
-    *digest = keyed ? seq.prompt->digests[i] : BlockExtrasDigest(seq.extras, d, start, *len);
-    return keyed ? seq.prompt->hashes[i] : ChainHash(parent_hash, seq.TokenData() + start, *len, *digest);
-  };
-  // The sequence's record of position d in window w: its live block and that block's
-  // generation, or what it released there (the block and its generation at release).
-  auto record = [&](std::size_t w, std::int32_t d) -> std::pair<BlockId, std::uint32_t> {
-    const SequenceWindow& sw = seq.windows[w];
-    if (d < sw.front_null) return sw.released[static_cast<std::size_t>(d)];
-    const BlockId b = sw.blocks[static_cast<std::size_t>(d)];
-    return {b, windows_[w]->Generation(b)};
-  };
-  // Resume where the last walk found every position before it settled (chunked prefill stores
-  // after every chunk: without this each store walks the whole prompt again). Trusted only if
-  // that walk's last node is still the same node, still settled in every window, and the
-  // tokens before it are unchanged: a rewind below it gave the guard window a new block there
-  // (handed out again or a copy: the old one was linked, so not private). Pins are taken at
-  // every position, so pin walks start at the root.
-  Sequence::StoreResume& resume = seq.store_resume;
-  std::int32_t first = 0;
-  NodeId parent = ReuseTree::kRoot;
-  std::uint64_t parent_hash = 0;
-  // Every position before the resume point must be a full block of this walk too: a store
-  // during chunked prefill keys one token more than the store at the end.
-  if (resumable && pinned == nullptr && resume.depth > 0 && resume.depth <= key_len / tpb_ &&
-      tree_->Alive(resume.node) && tree_->Hash(resume.node) == resume.hash && tree_->Depth(resume.node) == resume.depth) {
-    const std::int32_t d = resume.depth - 1;
-    bool ok = resume.guard_window < 0 ||
-              record(static_cast<std::size_t>(resume.guard_window), d) ==
-                  std::make_pair(resume.guard_block, resume.guard_generation);
-    for (std::size_t w = 0; w < nw && ok; ++w) ok = settled(w, resume.node, own_block(w, d));
-    if (ok) {
-      first = resume.depth;
-      parent = resume.node;
-      parent_hash = resume.hash;
-    }
-  }
+  const bool resumable = StoreResumable();
+  // Pins are taken at every position, so pin walks start at the root.
+  ChainNode parent = resumable && pinned == nullptr ? ResumeStore(seq, key_len) : ChainNode{};
 #ifdef KVCACHE_ENABLE_DCHECK
-  NodeId node_check = ReuseTree::kRoot;
-  std::uint64_t parent_hash_check = 0;
-  // Debug builds verify the claim: from the root, every skipped position is settled.
-  for (std::int32_t d = 0, len = 0; d < first; ++d) {
-    std::uint64_t digest = 0;
-    const std::uint64_t h = key(d, parent_hash_check, &len, &digest);
-    node_check = tree_->FindChild(node_check, h, seq.TokenData() + static_cast<std::ptrdiff_t>(d) * tpb_, len, digest);
-    KVC_CHECK(node_check != kNoNode, detail::Concat("request ", seq.id, ": store resumes past a missing node"));
-    for (std::size_t w = 0; w < nw; ++w) {
-      KVC_CHECK(settled(w, node_check, own_block(w, d)),
-                detail::Concat("request ", seq.id, ": store resumes past unsettled position ", d, " of window ",
-                               window_sizes_[w]));
-    }
-    parent_hash_check = h;
-  }
-  KVC_CHECK(first == 0 || node_check == resume.node, "store resume node is not the chain's node");
+  CheckStoreResume(seq, key_len, parent);  // debug builds verify the claim
 #endif
-  if (first == 0) resume = Sequence::StoreResume{};
+  if (parent.depth == 0) seq.store_resume = Sequence::StoreResume{};
   bool all_settled = true;  // every position walked so far is settled (and a full block)
-  std::vector<KVCacheEvent> stored(events_ ? nw : 0);
-  std::vector<std::int32_t> last_stored(events_ ? nw : 0, -2);  // for events only
-  NodeId last = parent;
+  StoredEvents events(events_.get(), windows_.size());
+  NodeId last = parent.node;
   std::int32_t newly = 0;
-  auto flush = [&](std::size_t w) {
-    if (events_ && !stored[w].blocks.empty()) {
-      events_->Push(std::move(stored[w]));
-      stored[w] = KVCacheEvent{};
-    }
-  };
-  for (std::int32_t d = first; d < num_blocks; ++d) {
+  for (std::int32_t d = parent.depth; d < num_blocks; ++d) {
     const std::int32_t start = d * tpb_;
     std::int32_t len = 0;
     std::uint64_t digest = 0;
-    const std::uint64_t h = key(d, parent_hash, &len, &digest);
+    const std::uint64_t h = ChainKey(seq, key_len, d, parent.hash, &len, &digest);
     const TokenId* t = seq.TokenData() + start;
-    const NodeId node = tree_->GetOrCreateChild(parent, h, t, len, digest, HasMultimodal(seq.extras, start, len));
+    const NodeId node = tree_->GetOrCreateChild(parent.node, h, t, len, digest, HasMultimodal(seq.extras, start, len));
     if (node == kNoNode) break;  // a 64-bit hash collision with another key: stop storing
-    bool any = false;
-    bool here_settled = resumable && len == tpb_;
-    for (std::size_t w = 0; w < nw; ++w) {
-      WindowBlockManager& wm = *windows_[w];
-      const auto wi = static_cast<std::int32_t>(w);
-      const BlockId b = own_block(w, d);
-      if (b != kNullBlock && tree_->Block(node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
-        wm.Link(b, node);
-        any = true;
-        if (events_) {
-          if (last_stored[w] != d - 1) {
-            flush(w);
-            stored[w].kind = EventKind::kStored;
-            stored[w].window_size = window_sizes_[w];
-            if (parent != ReuseTree::kRoot) stored[w].parent_hash = parent_hash;
-          }
-          StoredBlock block;
-          block.hash = h;
-          block.tokens.assign(t, t + len);
-          block.lora_task_id = seq.extras.lora_task_id;
-          block.cache_level = wm.LevelOf(b);
-          block.priority = wm.Priority(b);
-          stored[w].blocks.push_back(std::move(block));
-          last_stored[w] = d;
-        }
-      }
-      if (pinned != nullptr && tree_->Block(node, wi) != kNullBlock) {
-        Pin(w, tree_->Block(node, wi));
-        (*pinned)[w].push_back(tree_->Block(node, wi));
-      }
-      here_settled = here_settled && settled(w, node, b);
-    }
-    all_settled = all_settled && here_settled;
-    if (all_settled) {
-      resume = Sequence::StoreResume{d + 1, node, h};
-      for (std::size_t w = 0; w < nw; ++w) {
-        if (d < seq.windows[w].front_null) continue;
-        resume.guard_window = static_cast<std::int32_t>(w);
-        std::tie(resume.guard_block, resume.guard_generation) = record(w, d);
-        break;
-      }
-    }
-    newly += any ? 1 : 0;
-    parent = node;
-    parent_hash = h;
+    const ChainNode here{d + 1, node, h};
+    const StoredPosition stored = StorePosition(seq, here, len, parent, pinned, &events);
+    all_settled = all_settled && resumable && len == tpb_ && stored.settled;
+    if (all_settled) MarkStoreResume(seq, here);
+    newly += stored.any ? 1 : 0;
+    parent = here;
     last = node;
   }
-  for (std::size_t w = 0; w < stored.size(); ++w) flush(w);
+  events.FlushAll();
   tree_->PruneUp(last);  // nodes created without any block
   return newly;
+}
+
+KVCacheManager::StoredPosition KVCacheManager::StorePosition(const Sequence& seq, const ChainNode& here,
+                                                             std::int32_t len, const ChainNode& parent,
+                                                             std::vector<std::vector<BlockId>>* pinned,
+                                                             StoredEvents* events) {
+  const std::int32_t d = here.depth - 1;
+  StoredPosition out;
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    WindowBlockManager& wm = *windows_[w];
+    const auto wi = static_cast<std::int32_t>(w);
+    const BlockId b = OwnBlock(seq, w, d);
+    if (b != kNullBlock && tree_->Block(here.node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
+      wm.Link(b, here.node);
+      out.any = true;
+      if (events->on()) {
+        const TokenId* t = seq.TokenData() + d * tpb_;
+        StoredBlock block;
+        block.hash = here.hash;
+        block.tokens.assign(t, t + len);
+        block.lora_task_id = seq.extras.lora_task_id;
+        block.cache_level = wm.LevelOf(b);
+        block.priority = wm.Priority(b);
+        events->Add(w, window_sizes_[w], d, parent, std::move(block));
+      }
+    }
+    if (pinned != nullptr && tree_->Block(here.node, wi) != kNullBlock) {
+      Pin(w, tree_->Block(here.node, wi));
+      (*pinned)[w].push_back(tree_->Block(here.node, wi));
+    }
+    out.settled = out.settled && Settled(w, here.node, b);
+  }
+  return out;
+}
+
+void KVCacheManager::MarkStoreResume(const Sequence& seq, const ChainNode& here) const {
+  const std::int32_t d = here.depth - 1;
+  Sequence::StoreResume& resume = seq.store_resume;
+  resume = Sequence::StoreResume{here.depth, here.node, here.hash};
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (d < seq.windows[w].front_null) continue;
+    resume.guard_window = static_cast<std::int32_t>(w);
+    std::tie(resume.guard_block, resume.guard_generation) = ReleaseRecord(seq, w, d);
+    break;
+  }
 }
 
 void KVCacheManager::Pin(std::size_t w, BlockId b) {
@@ -415,7 +472,7 @@ void KVCacheManager::RefreshBlocks() {
   std::lock_guard<std::mutex> lock(mu_);
   const std::int64_t now = NowMs();
   for (auto& wm : windows_) wm->RefreshPriorities(now);
-  if (lending_) Rebalance();
+  InvalidateReleasers(lender_->Rebalance(), /*except=*/-1, "lent");
   backend_->Synchronize();  // offloads of lent cached blocks too
 }
 

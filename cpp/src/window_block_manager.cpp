@@ -546,46 +546,58 @@ void WindowBlockManager::RefreshPriorities(std::int64_t now_ms) {
 void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expected_refs) const {
   const auto total = static_cast<BlockId>(state_.size());
   KVC_CHECK(static_cast<BlockId>(expected_refs.size()) == total, "reference table size");
-  std::int32_t free_primary = 0;
-  std::int32_t free_secondary = 0;
   std::int64_t shared_refs = 0;
   for (BlockId b = 0; b < num_primary_; ++b) shared_refs += std::max(0, state_[b].ref_count - 1);
   KVC_CHECK(shared_refs == shared_refs_, detail::Concat("window ", window_, ": ", shared_refs_,
                                                         " shared references counted, ", shared_refs, " held"));
+  std::int32_t free_primary = 0;
+  std::int32_t free_secondary = 0;
   for (BlockId b = 0; b < total; ++b) {
-    if (state_[b].ref_count != expected_refs[b]) {
-      throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", state_[b].ref_count, " but ",
-                                         expected_refs[b], " references from sequences and pins"));
-    }
-    const bool free = state_[b].ref_count == 0;
-    KVC_CHECK(state_[b].releaser >= 0 || more_releasers_[b].empty(),
-              detail::Concat("window ", window_, ": block ", b, " has further releasers but no first one"));
-    if (IsPrimary(b) && !Owns(b)) {  // lent to another window: nothing of this window's
-      KVC_CHECK(free && !policy_.Contains(b) && state_[b].node == kNoNode && state_[b].releaser < 0,
-                detail::Concat("window ", window_, ": block ", b, " of a slab it does not own is in use"));
-      continue;
-    }
-    if (IsDisk(b)) {
-      CheckDiskSlot(b);
-    } else if (free != policy_.Contains(b)) {
-      throw InternalError(detail::Concat("window ", window_, ": block ", b,
-                                         free ? " is unreferenced but not in a free queue"
-                                              : " is referenced but sits in a free queue"));
-    }
-    if (free && !IsDisk(b)) {
-      (b < num_primary_ ? free_primary : free_secondary)++;
-      KVC_CHECK(policy_.QueuedPriority(b) == QueuePriority(b),
-                detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",
-                               policy_.QueuedPriority(b), " instead of ", QueuePriority(b)));
-      KVC_CHECK(policy_.QueuedProtected(b) == QueueProtected(b),
-                detail::Concat("window ", window_, ": free block ", b, " is in the wrong ",
-                               policy_.QueuedProtected(b) ? "(protected)" : "(probation)", " queue"));
-    }
-    if (state_[b].node != kNoNode) {
-      KVC_CHECK(tree_->Alive(state_[b].node) && tree_->Block(state_[b].node, index_) == b,
-                detail::Concat("window ", window_, ": block ", b, " points to a tree node that does not hold it"));
-    }
+    if (!CheckBlock(b, expected_refs[b])) continue;  // lent to another window
+    if (state_[b].ref_count == 0 && !IsDisk(b)) (b < num_primary_ ? free_primary : free_secondary)++;
   }
+  CheckTreeLinks();
+  if (slab_blocks_ > 0) CheckSlabs();
+  CheckFreeCounts(free_primary, free_secondary);
+}
+
+bool WindowBlockManager::CheckBlock(BlockId b, std::int32_t expected_refs) const {
+  if (state_[b].ref_count != expected_refs) {
+    throw InternalError(detail::Concat("window ", window_, ": block ", b, " has ref count ", state_[b].ref_count, " but ",
+                                       expected_refs, " references from sequences and pins"));
+  }
+  const bool free = state_[b].ref_count == 0;
+  KVC_CHECK(state_[b].releaser >= 0 || more_releasers_[b].empty(),
+            detail::Concat("window ", window_, ": block ", b, " has further releasers but no first one"));
+  if (IsPrimary(b) && !Owns(b)) {  // lent to another window: nothing of this window's
+    KVC_CHECK(free && !policy_.Contains(b) && state_[b].node == kNoNode && state_[b].releaser < 0,
+              detail::Concat("window ", window_, ": block ", b, " of a slab it does not own is in use"));
+    return false;
+  }
+  if (IsDisk(b)) {
+    CheckDiskSlot(b);
+  } else if (free != policy_.Contains(b)) {
+    throw InternalError(detail::Concat("window ", window_, ": block ", b,
+                                       free ? " is unreferenced but not in a free queue"
+                                            : " is referenced but sits in a free queue"));
+  }
+  if (free && !IsDisk(b)) {
+    KVC_CHECK(policy_.QueuedPriority(b) == QueuePriority(b),
+              detail::Concat("window ", window_, ": free block ", b, " is queued at priority ",
+                             policy_.QueuedPriority(b), " instead of ", QueuePriority(b)));
+    KVC_CHECK(policy_.QueuedProtected(b) == QueueProtected(b),
+              detail::Concat("window ", window_, ": free block ", b, " is in the wrong ",
+                             policy_.QueuedProtected(b) ? "(protected)" : "(probation)", " queue"));
+  }
+  if (state_[b].node != kNoNode) {
+    KVC_CHECK(tree_->Alive(state_[b].node) && tree_->Block(state_[b].node, index_) == b,
+              detail::Concat("window ", window_, ": block ", b, " points to a tree node that does not hold it"));
+  }
+  return true;
+}
+
+void WindowBlockManager::CheckTreeLinks() const {
+  const auto total = static_cast<BlockId>(state_.size());
   tree_->ForEachDescendant(ReuseTree::kRoot, [&](NodeId n) {
     const BlockId b = tree_->Block(n, index_);
     if (!is_swa_ && b != kNullBlock) {
@@ -598,22 +610,27 @@ void WindowBlockManager::CheckInvariants(const std::vector<std::int32_t>& expect
     KVC_CHECK(b == kNullBlock || (b >= 0 && b < total && state_[b].node == n),
               detail::Concat("window ", window_, ": tree node ", n, " holds block ", b, " which does not point back"));
   });
-  if (slab_blocks_ > 0) {
-    std::int32_t owned = 0;
-    std::int32_t wholly_free = 0;
-    for (std::int32_t k = 0; k < static_cast<std::int32_t>(slab_owned_.size()); ++k) {
-      std::int32_t slab_free = 0;
-      for (BlockId b = k * slab_blocks_; b < (k + 1) * slab_blocks_; ++b) slab_free += policy_.Contains(b) ? 1 : 0;
-      KVC_CHECK(policy_.SlabFree(k) == slab_free && policy_.SlabListed(k) == (slab_free == slab_blocks_),
-                detail::Concat("window ", window_, ": slab ", k, " counts ", policy_.SlabFree(k), " free blocks, has ",
-                               slab_free));
-      owned += OwnsSlab(k) ? slab_blocks_ : 0;
-      wholly_free += slab_free == slab_blocks_ ? 1 : 0;
-    }
-    KVC_CHECK(owned == owned_primary_ && wholly_free == policy_.NumFreeSlabs(),
-              detail::Concat("window ", window_, ": owns ", owned, " blocks (counted ", owned_primary_, "), ",
-                             wholly_free, " wholly free slabs (counted ", policy_.NumFreeSlabs(), ")"));
+}
+
+void WindowBlockManager::CheckSlabs() const {
+  std::int32_t owned = 0;
+  std::int32_t wholly_free = 0;
+  for (std::int32_t k = 0; k < static_cast<std::int32_t>(slab_owned_.size()); ++k) {
+    std::int32_t slab_free = 0;
+    for (BlockId b = k * slab_blocks_; b < (k + 1) * slab_blocks_; ++b) slab_free += policy_.Contains(b) ? 1 : 0;
+    KVC_CHECK(policy_.SlabFree(k) == slab_free && policy_.SlabListed(k) == (slab_free == slab_blocks_),
+              detail::Concat("window ", window_, ": slab ", k, " counts ", policy_.SlabFree(k), " free blocks, has ",
+                             slab_free));
+    owned += OwnsSlab(k) ? slab_blocks_ : 0;
+    wholly_free += slab_free == slab_blocks_ ? 1 : 0;
   }
+  KVC_CHECK(owned == owned_primary_ && wholly_free == policy_.NumFreeSlabs(),
+            detail::Concat("window ", window_, ": owns ", owned, " blocks (counted ", owned_primary_, "), ",
+                           wholly_free, " wholly free slabs (counted ", policy_.NumFreeSlabs(), ")"));
+}
+
+void WindowBlockManager::CheckFreeCounts(std::int32_t free_primary, std::int32_t free_secondary) const {
+  const auto total = static_cast<BlockId>(state_.size());
   std::int32_t visited = 0;
   policy_.ForEach(CacheLevel::kPrimary, [&](BlockId b) {
     KVC_CHECK(b >= 0 && b < num_primary_, "secondary block in the primary free queue");

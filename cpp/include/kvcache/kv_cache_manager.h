@@ -21,6 +21,7 @@
 #include "kvcache/prepared_prompt.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/sequence.h"
+#include "kvcache/slab_lender.h"
 #include "kvcache/types.h"
 #include "kvcache/window_block_manager.h"
 
@@ -188,7 +189,7 @@ class KVCacheManager {
   BackendKind backend() const { return backend_->Kind(); }
   /// Primary (owned now, see lend_free_memory) and secondary blocks per window.
   std::map<WindowSize, WindowBlocks> blocks_per_window() const;
-  bool lends_free_memory() const { return lending_; }
+  bool lends_free_memory() const { return lender_->lends(); }
   /// Whether allocating blocks (AddSequence, Prefill, AddTokens, RefreshBlocks under lending) can
   /// copy KV bytes: only with a backend that has memory, and then only to or from a host or disk
   /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
@@ -379,12 +380,13 @@ class KVCacheManager {
   std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
 
  private:
-  // Construction (the constructor's parts).
+  // ---- Construction (kv_cache_manager.cpp; pools: pool_layout.cpp).
   /// The pools of every window (its layers of one shape share a pool, one block holds all of
   /// them); fills layer_to_pool_ and pool_index_.
   std::vector<std::vector<PoolLayout>> PlanPools(const ModelSpec& model, const std::vector<WindowSize>& layer_window);
-  /// Creates the windows (in one shared arena under lend_free_memory, with the eviction clock
-  /// they share), their disk tiers and pin tables, and emits their created events.
+  /// Makes the lender (under lend_free_memory it plans and allocates the shared arena), creates
+  /// the windows in the memory it gives them, their disk tiers and pin tables, and emits their
+  /// created events.
   void MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools);
 
   struct ReusePlan {
@@ -450,9 +452,12 @@ class KVCacheManager {
   }
   [[noreturn]] static void ThrowRepeated(SeqId id, const char* call);
   /// Whether every window can hand out `need` blocks once the batch's releases are counted
-  /// (slab borrowing planned under lending): -1 if so, else the first window that cannot;
+  /// (slab borrowing planned by the lender): -1 if so, else the first window that cannot;
   /// check_available_ then holds what each window can give.
   std::int64_t ShortWindowForBatch(std::int64_t need);
+  /// Carries out the lender's plan (SlabLender::MoveSlabs) before a call changes anything else;
+  /// sequences that had released a lent block out of window become invalid for reuse.
+  void MoveSlabs();
   /// StoreContextBlocks of one sequence (the caller holds mu_).
   std::int32_t StoreContext(const Sequence& seq);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
@@ -498,24 +503,54 @@ class KVCacheManager {
   void Detach(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last, Leave why);
   /// Drops the sequence's release records from the blocks' releaser lists (it is ending).
   void ForgetReleases(const Sequence& seq);
-  void InvalidateDisplaced(const Sequence& seq);
+  /// The one door through which sequences lose released content: every live sequence in
+  /// `releasers` but `except` had released a block out of window that is now someone else's (a
+  /// `what` block: "granted" to a sequence, or "lent" to another window) and becomes invalid
+  /// for reuse.
+  void InvalidateReleasers(const std::vector<SeqId>& releasers, SeqId except, const char* what);
   /// True if block position `j` of `seq` in window `w` may be written in place: no other holder,
   /// no cached identity and no other sequence's record of its content.
   bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
-  /// Checks ownership state: release records mirror the blocks' releaser lists, and every cached
-  /// block a sequence holds (or still owns by a valid release record) is the tree node of that
-  /// sequence's own prefix at that position.
-  void CheckOwnership() const;
+
+  // ---- Admission (kv_cache_manager_admission.cpp).
+  /// What AddSequence of one prompt hands out, from its reuse plan.
+  struct Admission {
+    std::int32_t first = 0;          // tokens with blocks once registered: reused prefix + first chunk
+    std::int32_t num_blocks = 0;     // block positions they span
+    std::int32_t prompt_blocks = 0;  // block positions of the whole prompt
+    std::int32_t full = 0;           // reused full blocks (the plan's full_blocks)
+    std::int32_t has_partial = 0;    // 1 if the block after them is partly reused
+  };
   /// Per window: the free blocks that a prompt of `num_blocks` blocks with reuse plan `plan`
   /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
   /// prompt_front_).
   void PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const;
-  /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
-  /// Valid until the next call (it is the member plan_); an empty plan without reuse.
-  const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
-                             const PreparedPrompt* prepared = nullptr) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
                                  std::optional<std::int32_t> prefill, std::shared_ptr<const PreparedPrompt> prepared);
+  /// AddSequence's argument checks, in order: the id, the prompt (unless `prepared`: checked
+  /// already), priorities, multimodal items, max_batch_size, prefill.
+  void ValidateAdmission(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                         const ReuseExtras& extras, std::optional<std::int32_t> prefill, bool prepared) const;
+  static void ValidatePriorities(SeqId id, const SequenceOptions& options);
+  Admission PlanAdmission(const ReusePlan& plan, std::size_t n, std::optional<std::int32_t> prefill) const;
+  /// The blocks check of AddSequence: fills prompt_need_ and prompt_front_, and has the lender
+  /// plan (keeping the blocks the plan reuses); throws OutOfBlocksError for a short window.
+  void CheckAdmissionBlocks(SeqId id, std::size_t n, const ReusePlan& plan, const Admission& a);
+  /// The new sequence `id` with its prompt and options and no blocks yet (block lists sized
+  /// per window, empty).
+  Sequence& RegisterSequence(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
+                             const ReuseExtras& extras, std::shared_ptr<const PreparedPrompt> prepared,
+                             const Admission& a, std::int32_t reused);
+  /// Sets up `seq`'s block lists and claims every block the plan reuses (and holds a partial
+  /// source that is copied, where holding it costs no free block: (*src_held)[w]).
+  void ClaimReused(Sequence& seq, const ReusePlan& plan, const Admission& a, std::vector<char>* src_held);
+  /// Window `w`'s blocks of a new sequence past the claimed ones: the copy of a partly reused
+  /// block (unless taken over), onboards of reused blocks in a lower tier, fresh blocks for the
+  /// rest of the first chunk. Returns the blocks taken from the free queues.
+  std::int64_t HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a, bool src_held);
+  /// The reuse and allocation counters of window `w` (and of `seq`) after an admission that took
+  /// `fresh` free blocks there.
+  void CountAdmission(Sequence& seq, std::size_t w, const Admission& a, std::int64_t fresh);
   std::map<WindowSize, std::int32_t> BlocksToAllocateLocked(const TokenId* tokens, std::size_t n,
                                                             const ReuseExtras& extras,
                                                             std::optional<std::int32_t> prefill,
@@ -525,56 +560,87 @@ class KVCacheManager {
   void ValidatePrefill(std::optional<std::int32_t> prefill, const char* who, SeqId id) const;
   /// Multimodal items need start >= 0 and length >= 0; messages name `id` (>= 0) or `who`.
   void ValidateMultimodal(const ReuseExtras& extras, const char* who, SeqId id) const;
-  /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
-  /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
-  /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
-  /// The blocks check of a mutating call: window w must hand out need[w] blocks and has
-  /// available[w] (free now plus what the call releases before it allocates). Returns the first
-  /// window short of blocks, or -1. Under lending a short window may borrow wholly free slabs of
-  /// the others: a donor lends only slabs wholly free now that hold none of the blocks in
-  /// (*keep)[donor] (blocks the call claims or reads), and keeps enough for its own need. On
-  /// success borrow_ and lendable_ hold the plan, which MoveSlabs carries out before the call
-  /// changes anything else.
-  std::int64_t PlanBlocks(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
-                          const std::vector<std::vector<BlockId>>* keep = nullptr);
-  /// The check behind PlanBlocks and CanAllocate: the first window that neither its own blocks
-  /// nor what the others can lend serve, or -1. Fills *borrow (slabs per short window) and
-  /// *lendable (slabs per donor) when given.
-  std::int64_t FirstUnserved(const std::vector<std::int64_t>& need, const std::vector<std::int64_t>& available,
-                             const std::vector<std::vector<BlockId>>* keep, bool over_calls,
-                             std::vector<std::int64_t>* borrow, std::vector<std::int64_t>* lendable) const;
-  /// The one door of a slab between windows: `donor` lends `slab` (its releasers are collected
-  /// in lent_displaced_ for InvalidateLent) and window w adopts it.
-  void MoveSlab(std::size_t donor, std::size_t w, std::int32_t slab);
-  /// What window v could lend now while keeping `need_v` of its `available_v` blocks, in slabs;
-  /// `over_calls`: the blocks are taken by several calls (CanAllocate for a whole step), so the
-  /// donor's own blocks may be taken before the slabs move.
-  std::int64_t Lendable(std::size_t v, std::int64_t need_v, std::int64_t available_v,
-                        const std::vector<BlockId>* keep, bool over_calls) const;
-  /// Moves the slabs PlanBlocks planned, each from the donor that can lend the most; sequences
-  /// that had released a lent block out of window become invalid for reuse.
-  void MoveSlabs(const std::vector<std::vector<BlockId>>* keep = nullptr);
-  /// Marks every sequence in lent_displaced_ invalid for reuse and clears it.
-  void InvalidateLent();
-  /// Between steps (RefreshBlocks) under lending: a window that evicted cached blocks since
-  /// the last call takes, up to that many blocks, wholly free slabs of other windows whose next
-  /// victims are cheaper to lose than its own (scratch, lower priority or longer unused). So
-  /// the windows evict, in effect, in one order, while inside a step the free blocks the
-  /// scheduler planned with stay where they were.
-  void Rebalance();
-  /// " (with N more that other windows can lend)" under lending, else "".
-  std::string LendNote(std::size_t w) const;
-  /// GetNumFreeBlocks of window index w (the lock held).
-  std::int32_t FreeBlocksLocked(std::size_t w) const;
-  std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
-                          std::vector<std::vector<BlockId>>* pinned);
-  /// Pinned block lists per window index, keyed by window size.
-  std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
   /// Validates a prompt handed to AddSequence (id >= 0) or a query (`who`, id < 0): non-empty, at
   /// most max_seq_len tokens, no negative token. Messages are built only on error.
   void ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const;
+
+  // ---- Reuse (kv_cache_manager_reuse.cpp).
+  /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
+  /// Valid until the next call (it is the member plan_); an empty plan without reuse.
+  const ReusePlan& PlanReuse(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                             const PreparedPrompt* prepared = nullptr) const;
+  /// The tree nodes matching the prompt's first full blocks (at most `num_full`), appended to
+  /// *path.
+  void MatchFullBlocks(const TokenId* tokens, std::int32_t num_full, const ReuseExtras& extras,
+                       const PreparedPrompt* prepared, std::vector<NodeId>* path) const;
+  /// The longest block-aligned prefix of `path` that every window can serve.
+  std::int32_t ServedPrefix(const std::vector<NodeId>& path) const;
+  /// ServedPrefix's second pass, when some sliding window lacks a block among path[0, full).
+  std::int32_t ServedBySlidingWindows(const std::vector<NodeId>& path, std::int32_t full) const;
+  /// A partial match of the block after plan->full_blocks (at most key_len tokens of keys in
+  /// all): the child sharing the longest token prefix with it, if every window can reuse it.
+  /// Returns whether one was found (and recorded in *plan).
+  bool MatchPartialBlock(const TokenId* tokens, std::int32_t key_len, const ReuseExtras& extras,
+                         ReusePlan* plan) const;
+  /// Links `seq`'s blocks for its first `key_len` tokens into the tree (full blocks only if
+  /// `full_only`). With `pinned`, pins the tree's block of every stored position in every window
+  /// and appends each pinned block to (*pinned)[window index]. Returns positions newly stored.
+  std::int32_t StoreChain(const Sequence& seq, std::int32_t key_len, bool full_only,
+                          std::vector<std::vector<BlockId>>* pinned);
+  /// A node of a StoreChain walk: the chain's first `depth` positions end at `node` (the root:
+  /// depth 0), whose chained hash is `hash`.
+  struct ChainNode {
+    std::int32_t depth = 0;
+    NodeId node = ReuseTree::kRoot;
+    std::uint64_t hash = 0;
+  };
+  /// What StoreChain did at one position: linked a block in some window, and whether the
+  /// position is settled in every window.
+  struct StoredPosition {
+    bool any = false;
+    bool settled = true;
+  };
+  class StoredEvents;  // the stored events of one walk (kv_cache_manager_reuse.cpp)
+  /// The block `seq` stores at position `d` of window `w`, or kNullBlock.
+  BlockId OwnBlock(const Sequence& seq, std::size_t w, std::int32_t d) const;
+  /// Whether position `node` is settled in window `w` for a sequence whose block there is `b`.
+  bool Settled(std::size_t w, NodeId node, BlockId b) const;
+  /// Whether a store may resume where the last one found every position settled.
+  bool StoreResumable() const;
+  /// The key of position `d` of `seq` (`key_len` tokens keyed in all) below a parent with chained
+  /// hash `parent_hash`: returns its hash and sets *len and *digest.
+  std::uint64_t ChainKey(const Sequence& seq, std::int32_t key_len, std::int32_t d, std::uint64_t parent_hash,
+                         std::int32_t* len, std::uint64_t* digest) const;
+  /// `seq`'s record of position `d` in window `w`: its live block and that block's generation,
+  /// or what it released there.
+  std::pair<BlockId, std::uint32_t> ReleaseRecord(const Sequence& seq, std::size_t w, std::int32_t d) const;
+  /// Where a store of `seq` (`key_len` tokens) starts: its resume point if still trusted, else
+  /// the root.
+  ChainNode ResumeStore(const Sequence& seq, std::int32_t key_len) const;
+  /// Debug builds: every position a store skips from the root up to `start` is settled.
+  void CheckStoreResume(const Sequence& seq, std::int32_t key_len, const ChainNode& start) const;
+  /// StoreChain at node `here` (`len` tokens) below `parent`: links `seq`'s block of every
+  /// window that the node lacks, queues their stored events and, with `pinned`, pins the node's
+  /// blocks.
+  StoredPosition StorePosition(const Sequence& seq, const ChainNode& here, std::int32_t len, const ChainNode& parent,
+                               std::vector<std::vector<BlockId>>* pinned, StoredEvents* events);
+  /// Records node `here` as `seq`'s resume point, guarded by its record in the first window that
+  /// has not released the position.
+  void MarkStoreResume(const Sequence& seq, const ChainNode& here) const;
+  /// Pinned block lists per window index, keyed by window size.
+  std::map<WindowSize, std::vector<BlockId>> PinnedByWindow(std::vector<std::vector<BlockId>> pinned) const;
   void Pin(std::size_t w, BlockId b);
   void Unpin(std::size_t w, BlockId b);
+
+  // ---- Invariants (kv_cache_manager_invariants.cpp).
+  /// Checks one sequence's lengths and block lists, counting its references into *refs.
+  void CheckSequence(SeqId id, const Sequence& seq, std::vector<std::vector<std::int32_t>>* refs) const;
+  /// Checks ownership state: release records mirror the blocks' releaser lists, and every cached
+  /// block a sequence holds (or still owns by a valid release record) is the tree node of that
+  /// sequence's own prefix at that position.
+  void CheckOwnership() const;
+  void CheckReleaseRecords(std::size_t w) const;
+  void CheckCachedPrefixes(SeqId id, const Sequence& seq) const;
 
   std::int32_t tpb_;
   std::int32_t max_seq_len_;
@@ -584,26 +650,10 @@ class KVCacheManager {
   std::int32_t kv_factor_;
   std::vector<WindowSize> window_sizes_;
   std::unique_ptr<MemoryBackend> backend_;
-  struct Arena {  // the primary memory shared by every window under lend_free_memory
-    MemoryBackend* backend = nullptr;
-    void* ptr = nullptr;
-    std::size_t bytes = 0;
-    Arena() = default;
-    Arena(const Arena&) = delete;
-    Arena& operator=(const Arena&) = delete;
-    ~Arena() {
-      if (backend != nullptr) backend->Free(CacheLevel::kPrimary, ptr);
-    }
-  };
-  Arena arena_;  // declared before windows_: freed after them
+  /// Slab lending (or none): declared before windows_, so its arena is freed after them.
+  std::unique_ptr<SlabLender> lender_;
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
-  bool lending_ = false;
   bool may_copy_ = false;  ///< MayCopyBlocks()
-  std::vector<std::int64_t> borrow_;    // per window: slabs to borrow (PlanBlocks -> MoveSlabs)
-  std::vector<std::int64_t> lendable_;  // per window: slabs it may lend in that move
-  std::uint64_t evict_clock_ = 0;  // eviction stamps shared by the windows
-  std::vector<SeqId> lent_displaced_;  // releasers of blocks being lent
-  std::int64_t lent_slabs_ = 0;
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
   std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)

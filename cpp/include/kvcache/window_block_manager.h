@@ -256,6 +256,16 @@ class WindowBlockManager {
   std::vector<TierSegment> ReadDisk(BlockId d, std::vector<unsigned char>* buffer);
   TierKey KeyOf(BlockId d) const;
   void CheckDiskSlot(BlockId d) const;
+  // CheckInvariants' parts.
+  /// Block `b`'s state: `expected_refs` references, releasers, queue membership and priority,
+  /// tree back-link. False for a block of a slab lent to another window (nothing of this window's).
+  bool CheckBlock(BlockId b, std::int32_t expected_refs) const;
+  /// Every tree node's block of this window points back to it; full attention's are prefix-closed.
+  void CheckTreeLinks() const;
+  /// Lending: slab free counts and ownership match the blocks.
+  void CheckSlabs() const;
+  /// The free queues hold exactly the free blocks of their level.
+  void CheckFreeCounts(std::int32_t free_primary, std::int32_t free_secondary) const;
 
   WindowSize window_;
   bool is_swa_;
