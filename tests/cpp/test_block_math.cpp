@@ -205,3 +205,40 @@ TEST(ManagerEstimatesTest, BadArgumentsThrowAndChangeNothing) {
 
 }  // namespace
 }  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+TEST(ManagerEstimatesTest, FinalTokensProgressAndLengthChecks) {
+  KVCacheManager m(testing::Model(2), testing::Config({8, 0}, 64, {{8, 20}, {64, 20}}, 4, BackendKind::kVirtual));
+  const auto prompt = testing::Iota(10);
+  m.AddSequence(1, prompt.data(), prompt.size(), {}, 4);
+  m.AddSequence(2, prompt.data(), prompt.size());
+  const SeqId ids[] = {1, 2};
+  std::int32_t num_tokens[2] = {0, 0};
+  std::int32_t prompt_len[2] = {0, 0};
+  m.GetProgress(ids, 2, num_tokens, prompt_len);
+  EXPECT_EQ(num_tokens[0], 4);
+  EXPECT_EQ(num_tokens[1], 10);
+  EXPECT_EQ(prompt_len[0], 10);
+  EXPECT_EQ(prompt_len[1], 10);
+  // Without a recorded final length a sequence is assumed to grow to max_seq_len: 64 tokens
+  // are 16 blocks of full attention, 13 more than the 3 its 10 tokens hold.
+  const SeqId two = 2;
+  EXPECT_EQ(m.GetRemainingBlocks(&two, nullptr, 1, 0, false)[1], 16 - 3);
+  m.SetFinalTokens(2, 19);  // 10 + 10 - 1: ceil(19 / 4) = 5 blocks in all
+  EXPECT_EQ(m.GetRemainingBlocks(&two, nullptr, 1, 0, false)[1], 5 - 3);
+  EXPECT_THROW(m.SetFinalTokens(2, 9), std::invalid_argument);   // below what it holds
+  EXPECT_THROW(m.SetFinalTokens(2, 65), std::invalid_argument);  // beyond max_seq_len
+  EXPECT_THROW(m.SetFinalTokens(7, 20), UnknownSequenceError);
+  const std::int32_t right[] = {4, 10};
+  const std::int32_t wrong[] = {4, 11};
+  EXPECT_EQ(m.FirstLengthMismatch(ids, right, 2), -1);
+  EXPECT_EQ(m.FirstLengthMismatch(ids, wrong, 2), 1);
+  const SeqId unknown[] = {1, 9};
+  EXPECT_EQ(m.FirstLengthMismatch(unknown, right, 2), 1);
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache

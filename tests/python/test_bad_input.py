@@ -437,3 +437,43 @@ def _small_manager() -> KVCacheManager:
     model = ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
     config = KvCacheConfig(tokens_per_block=4, max_attention_window=[None], backend="virtual")
     return KVCacheManager.from_blocks(model, config, {64: 40}, max_seq_len=64, max_batch_size=4)
+
+
+# ----------------------------------------------------------------------------- estimates
+
+
+def test_estimate_methods_reject_bad_arguments_and_change_nothing() -> None:
+    from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
+
+    kv = KVCacheManager.from_blocks(
+        ModelConfig(num_layers=2, num_kv_heads=1, head_dim=8),
+        KvCacheConfig(tokens_per_block=4, max_attention_window=[8, None], backend="virtual"),
+        {8: 16, 64: 16},
+        max_seq_len=64,
+        max_batch_size=4,
+    )
+    kv.add_sequence(1, list(range(10)), prefill=4)
+    before = (kv.num_tokens(1), kv.get_num_free_blocks(8), kv.get_num_free_blocks(64))
+    with pytest.raises(ValueError, match="must pair up"):
+        kv.get_step_needs([1], [1, 2], [], [])
+    with pytest.raises(ValueError, match="still in prefill"):
+        kv.get_step_needs([1], [1], [], [])
+    with pytest.raises(ValueError, match="prompt tokens left"):
+        kv.get_step_needs([], [], [1], [7])
+    with pytest.raises(KeyError):
+        kv.get_remaining_blocks([5], [10])
+    with pytest.raises(ValueError, match="chunk_size"):
+        kv.get_remaining_blocks([1], [10], chunk_size=0)
+    with pytest.raises(ValueError, match="window_size"):
+        kv.get_num_shared_blocks(5)
+    with pytest.raises(ValueError, match="final_tokens"):
+        kv._set_final_tokens(1, 3)
+    with pytest.raises(ValueError, match="prompt_len"):
+        kv.get_blocks_to_run_alone(0, 10)
+    with pytest.raises(TypeError):
+        kv.get_prompt_remaining_blocks([1, 2, 3], 10)  # a PreparedPrompt is required
+    assert (kv.num_tokens(1), kv.get_num_free_blocks(8), kv.get_num_free_blocks(64)) == before
+    # A 6-token chunk from 4 to 10 tokens starts blocks 1 and 2 in both windows; window 8
+    # releases nothing yet (its first query, at position 4, still sees position 0).
+    assert kv.get_step_needs([], [], [1], [6]) == [2, 2]
+    kv.check_invariants()
