@@ -338,7 +338,10 @@ class CapacityScheduler:
             out.paused.append(r)
             taken.add(r.request_id)
         batch = out.batch
-        batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
+        if len(gen) == len(running):  # every running request decodes (indices 0..n-1)
+            batch.generation = list(zip(running, ndraft, strict=True))
+        else:
+            batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
         batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
