@@ -87,6 +87,14 @@ void BindBlockMath(py::module_& m) {
           py::arg("start"), py::arg("end"), py::arg("chunk_size"), py::arg("keep"), py::arg("tokens_per_block"),
           py::arg("front") = FrontArg{0},
           "Most blocks held after any prefill chunk of at most chunk_size tokens between start and end tokens.");
+  sub.def("demand_blocks",
+          [](Int<std::int64_t, kMaxBatchSize, 1> n, Int<std::int64_t, kNumTokens, 1> seq_len, KeepArg keep,
+             Int<std::int64_t, kNumTokens, 0> budget, BlockSize tpb) {
+            return bm::DemandBlocks(n.value, seq_len.value, keep.value, budget.value, tpb.value);
+          },
+          py::arg("n"), py::arg("seq_len"), py::arg("keep"), py::arg("budget"), py::arg("tokens_per_block"),
+          "Blocks of one window that n sequences of seq_len tokens hold at most under chunked prefill with "
+          "budget tokens per step.");
   sub.def("blocks_to_run_alone",
           [](PromptLen n, FinalTokens final, const std::optional<ChunkArg>& chunk, WindowArg window, KeepArg keep, BlockSize tpb) {
             return bm::BlocksToRunAlone(n.value, final.value, ChunkOrWhole(chunk), window.value, keep.value, tpb.value);

@@ -95,4 +95,12 @@ std::int64_t RemainingBlocks(std::int64_t num_tokens, std::int64_t context_len, 
   return std::max<std::int64_t>(0, peak - live);
 }
 
+std::int64_t DemandBlocks(std::int64_t n, std::int64_t seq_len, std::int64_t keep, std::int64_t budget,
+                          std::int32_t tokens_per_block) {
+  const std::int64_t tpb = tokens_per_block;
+  const std::int64_t whole = n * CeilDiv(seq_len, tpb);
+  if (!Releases(keep)) return whole;
+  return std::min((n * (keep + 2 * tpb - 2) + budget) / tpb, whole);
+}
+
 }  // namespace kvcache::block_math

@@ -27,6 +27,7 @@ __all__: list[str] = [
     "cuda_available",
     "cuda_compiled",
     "cuda_mem_get_info",
+    "demand_blocks",
     "peak_live_blocks",
     "prefill_peak",
     "released_blocks",
@@ -468,6 +469,17 @@ def cuda_compiled() -> bool:
 def cuda_mem_get_info() -> tuple[int, int]:
     """
     (free, total) bytes of the current CUDA device; raises CudaError without one.
+    """
+
+def demand_blocks(
+    n: typing.SupportsIndex,
+    seq_len: typing.SupportsIndex,
+    keep: typing.SupportsIndex,
+    budget: typing.SupportsIndex,
+    tokens_per_block: typing.SupportsIndex,
+) -> int:
+    """
+    Blocks of one window that n sequences of seq_len tokens hold at most under chunked prefill with budget tokens per step.
     """
 
 def peak_live_blocks(

@@ -271,7 +271,7 @@ def _policy_plan(
         peak = peak_blocks_per_sequence(
             max_seq_len, w, tpb, max_draft_tokens=drafts, chunk_size=settings.chunk
         )
-        whole = -(-max_seq_len // tpb)
+        whole = peak_blocks_per_sequence(max_seq_len, max_seq_len, tpb)
         limited_by = "sequence" if peak >= whole else "chunk" if peak > per_seq else "window"
         layers = [i for i, lw in enumerate(layer_windows) if lw == w]
         rows.append(
@@ -412,13 +412,19 @@ def _one_sequence(
     max_seq_len: int,
     tpb: int,
     kv_cache_dtype: str | Mapping[int | str | None, str] | None = None,
+    chunk: int | None = None,
+    drafts: int = 0,
 ) -> tuple[int, str]:
-    """Bytes one sequence of ``max_seq_len`` tokens holds while decoding, and per window."""
+    """Bytes one sequence of ``max_seq_len`` tokens holds at its peak (its prompt in chunks of
+    ``chunk`` tokens, ``None``: whole), and per window."""
     config = preset.kv_cache_config(
         tokens_per_block=tpb, window_size_shares="equal", kv_cache_dtype=kv_cache_dtype
     )
     bpt = bytes_per_token(preset.model, config, max_seq_len)
-    parts = {w: max_blocks_per_sequence(max_seq_len, w, tpb) for w in bpt}
+    parts = {
+        w: peak_blocks_per_sequence(max_seq_len, w, tpb, max_draft_tokens=drafts, chunk_size=chunk)
+        for w in bpt
+    }
     need = sum(n * bpt[w] * tpb for w, n in parts.items())
     text = ", ".join(
         f"window {w:,}: {n:,} blocks of {format_size(bpt[w] * tpb)}" for w, n in parts.items()
@@ -448,7 +454,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if env_policy not in policies:
             policies.append(env_policy)
     dtype_choice = args.kv_cache_dtype
-    need, per_window = _one_sequence(preset, max_seq_len, tpb, dtype_choice)
+    caps = [c for c in (args.max_chunk_size, args.max_num_batched_tokens) if c is not None]
+    chunk = None if args.no_chunked_prefill else min(caps)
+    need, per_window = _one_sequence(
+        preset, max_seq_len, tpb, dtype_choice, chunk, args.max_draft_tokens
+    )
     if memory < need:
         raise ValueError(
             f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "

@@ -268,7 +268,7 @@ def _share_fractions(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_draft_tokens=draft,
             )
-            whole = max_batch_size * -(-seq_len // tpb) * tpb
+            whole = max_batch_size * tpb * peak_blocks_per_sequence(seq_len, seq_len, tpb)
             weights = _auto_weights(bpt, demand, whole, primary_bytes)
     else:
         raise ValueError(
@@ -410,11 +410,10 @@ def auto_demand_tokens(
     n = _positive("max_batch_size", max_batch_size)
     step = _positive("max_num_batched_tokens", max_num_batched_tokens)
     draft = _non_negative("max_draft_tokens", max_draft_tokens)
-    whole = n * -(-seq // tpb)
     out = {}
     for w in windows:
         keep = _positive("window", w) + draft
-        out[w] = tpb * min((n * (keep + 2 * tpb - 2) + step) // tpb, whole)
+        out[w] = tpb * int(_block_math.demand_blocks(n, seq, keep, step, tpb))
     return out
 
 
@@ -747,8 +746,6 @@ def max_blocks_per_sequence(
     n = _positive("seq_len", seq_len)
     keep = _positive("window", window) + _non_negative("max_draft_tokens", max_draft_tokens)
     tpb = _positive("tokens_per_block", tokens_per_block)
-    if n <= keep:
-        return -(-n // tpb)
     return int(_block_math.peak_live_blocks(1, n, keep, tpb))
 
 

@@ -93,6 +93,20 @@ TEST(BlockMathTest, PrefillPeakIsTheWorstCutting) {
   }
 }
 
+TEST(BlockMathTest, DemandOfManySequencesUnderAStepBudget) {
+  // 128 sequences of 2,818 tokens, window 512, 32-token blocks, 8,192 tokens a step:
+  // (128 x (512 + 62) + 8192) / 32 = 2,552 blocks; full attention 128 x ceil(2818 / 32).
+  EXPECT_EQ(bm::DemandBlocks(128, 2818, 512, 8192, 32), 2552);
+  EXPECT_EQ(bm::DemandBlocks(128, 2818, bm::kKeepAll, 8192, 32), 128 * 89);
+  EXPECT_EQ(bm::DemandBlocks(4, 40, 512, 8192, 32), 4 * 2);  // never more than whole sequences
+  // The bound holds what a decoding sequence holds at most, and a chunk's peak on top.
+  for (std::int64_t keep : std::vector<std::int64_t>{5, 31, 32, 33, 100}) {
+    EXPECT_GE(bm::DemandBlocks(1, 10000, keep, 0, 32), bm::PeakLiveBlocks(1, 10000, keep, 32)) << keep;
+    EXPECT_GE(bm::DemandBlocks(1, 10000, keep, 512, 32), bm::BlocksToRunAlone(10000, 10000, 512, keep, keep, 32))
+        << keep;
+  }
+}
+
 TEST(BlockMathTest, RunAloneBoundsASlidingWindowByWindowPlusChunk) {
   // A 131,072-token prompt, window 128, 16-token blocks, 8,192-token chunks: the chunk, not the
   // window, sets the peak: ceil((128 + 8192 - 1) / 16) + 1 = 521 blocks; whole: 8,192 blocks.

@@ -80,4 +80,13 @@ std::int64_t BlocksToRunAlone(std::int64_t n, std::int64_t final, std::int64_t c
 std::int64_t RemainingBlocks(std::int64_t num_tokens, std::int64_t context_len, std::int64_t final,
                              std::int64_t chunk, std::int32_t front, std::int64_t keep, std::int32_t tokens_per_block);
 
+/// Blocks of one window that `n` sequences of `seq_len` tokens hold at most together while they
+/// run under chunked prefill with `budget` tokens per step (the demand the "auto" share policy
+/// sizes for): a decoding sequence holds at most ceil((keep - 1) / tpb) + 1 blocks, one in
+/// prefill its chunk on top, and a step's chunks add up to `budget` tokens, so together below
+/// (n * (keep + 2 * tpb - 2) + budget) / tpb; never more than n * ceil(seq_len / tpb), which is
+/// the demand of a window that never releases.
+std::int64_t DemandBlocks(std::int64_t n, std::int64_t seq_len, std::int64_t keep, std::int64_t budget,
+                          std::int32_t tokens_per_block);
+
 }  // namespace kvcache::block_math
