@@ -113,12 +113,19 @@ std::map<WindowSize, std::int32_t> KVCacheManager::BlocksToAllocateLocked(const 
                                                                           std::optional<std::int32_t> prefill,
                                                                           const PreparedPrompt* prepared) const {
   ValidatePrefill(prefill, "get_num_blocks_to_allocate", -1);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
-  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
-  PromptBlocksNeeded(plan, CeilDiv(first, tpb_));
+  PlanPromptBlocks(tokens, n, extras, prepared, prefill);
   std::map<WindowSize, std::int32_t> out;
   for (std::size_t w = 0; w < windows_.size(); ++w) out.emplace_hint(out.end(), window_sizes_[w], prompt_need_[w]);
   return out;
+}
+
+std::int32_t KVCacheManager::PlanPromptBlocks(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                              const PreparedPrompt* prepared,
+                                              std::optional<std::int32_t> prefill) const {
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
+  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
+  PromptBlocksNeeded(plan, CeilDiv(first, tpb_));
+  return first;
 }
 
 std::map<WindowSize, std::int32_t> KVCacheManager::GetNumBlocksToAllocate(const TokenId* tokens, std::size_t n,

@@ -136,14 +136,12 @@ std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, c
 void KVCacheManager::PromptRegistration(const PreparedPrompt& prompt, std::int64_t size,
                                         std::vector<bm::Registration>* out) const {
   const std::size_t n = prompt.tokens.size();
-  const ReusePlan& plan = PlanReuse(prompt.tokens.data(), n, prompt.extras, &prompt);
   const std::optional<std::int32_t> prefill =
       size >= static_cast<std::int64_t>(n) ? std::nullopt : std::optional<std::int32_t>(static_cast<std::int32_t>(size));
-  const std::int32_t first = FirstChunkEnd(n, plan.reused_tokens, prefill);
-  PromptBlocksNeeded(plan, static_cast<std::int32_t>(bm::CeilDiv(first, tpb_)));
+  const std::int32_t first = PlanPromptBlocks(prompt.tokens.data(), n, prompt.extras, &prompt, prefill);
   out->resize(windows_.size());
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    (*out)[w] = bm::Registration{plan.reused_tokens, first, prompt_front_[w], prompt_need_[w]};
+    (*out)[w] = bm::Registration{plan_.reused_tokens, first, prompt_front_[w], prompt_need_[w]};
   }
 }
 

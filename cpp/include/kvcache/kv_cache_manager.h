@@ -525,6 +525,10 @@ class KVCacheManager {
   /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
   /// prompt_front_).
   void PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_blocks) const;
+  /// Plans registering a prompt with a first chunk of `prefill` tokens (nullopt: whole): the
+  /// reuse plan (plan_), prompt_need_ and prompt_front_. Returns the tokens with blocks after it.
+  std::int32_t PlanPromptBlocks(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                const PreparedPrompt* prepared, std::optional<std::int32_t> prefill) const;
   std::int32_t AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
                                  std::optional<std::int32_t> prefill, std::shared_ptr<const PreparedPrompt> prepared);
   /// AddSequence's argument checks, in order: the id, the prompt (unless `prepared`: checked
