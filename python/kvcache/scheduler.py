@@ -109,7 +109,6 @@ class SchedulerOutput:
         self._waiting = waiting
         self._waiting_source: Iterable[Request] = ()
         self._taken: set[int] = set()  # requests of the queue admitted or rejected
-        self._scanned = 0  # waiting requests the scheduler looked at, from the head
 
     @property
     def waiting(self) -> list[Request]:
@@ -247,9 +246,10 @@ class CapacityScheduler:
             The batch, and the paused, rejected and still-waiting requests.
         """
         if requests is None:
-            running, waiting = self._indexed()
-            out = self._decide(running, waiting)
-            self._reindex(out)
+            running = self._indexed()
+            candidates, rejected, scanned = self._head_candidates(len(running))
+            out = self._decide(running, candidates, rejected, self._queue)
+            self._reindex(out, scanned)
             return out
         running, candidates, rejected = self._scan(requests)
         return self._decide(running, candidates, rejected, requests)
@@ -282,46 +282,54 @@ class CapacityScheduler:
                 if r.state in _RUNNING:
                     running.append(r)
                 unseen -= 1
-            elif r.state in _WAITING and len(candidates) < most - len(running):
-                if self._never_fits(r):
-                    r.state = RequestState.FAILED
-                    rejected.append(r)
-                else:
-                    candidates.append(r)
+            elif len(candidates) < most - len(running) and self._admissible(r, rejected):
+                candidates.append(r)
             if unseen == 0 and len(candidates) >= most - len(running):
                 break
         return running, candidates[: max(0, most - len(running))], rejected
 
+    def _head_candidates(self, num_running: int) -> tuple[list[Request], list[Request], int]:
+        """The index form's admission candidates: the queue's first waiting requests, as many
+        as the batch has room for, with the ones before them that never fit (now ``FAILED``),
+        and how many queue entries were looked at."""
+        room = self._max_batch - num_running
+        candidates: list[Request] = []
+        rejected: list[Request] = []
+        scanned = 0
+        for r in self._queue:
+            if len(candidates) >= room:
+                break
+            scanned += 1
+            if self._admissible(r, rejected):
+                candidates.append(r)
+        return candidates, rejected, scanned
+
+    def _admissible(self, r: Request, rejected: list[Request]) -> bool:
+        """Whether a queued request can be an admission candidate: it still waits (not failed,
+        nor run by a caller) and can ever fit; one that never fits is marked ``FAILED`` and
+        appended to ``rejected``."""
+        if r.state not in _WAITING:
+            return False
+        if self._never_fits(r):
+            r.state = RequestState.FAILED
+            rejected.append(r)
+            return False
+        return True
+
     def _decide(
         self,
         running: list[Request],
-        waiting: Iterable[Request],
-        rejected: list[Request] | None = None,
-        source: Iterable[Request] | None = None,
+        candidates: list[Request],
+        rejected: list[Request],
+        source: Iterable[Request],
     ) -> SchedulerOutput:
-        """Asks the native scheduler. ``waiting`` are the candidates in order (the index form
-        passes its whole queue, checked here until the batch is full); ``source`` the list
-        the lazily built ``waiting`` output comes from."""
+        """Asks the native scheduler about the running requests and the admission candidates
+        (in order); ``rejected`` never fit; ``source`` is what the lazily built ``waiting``
+        output comes from."""
         rm = self._rm
         out = SchedulerOutput()
-        out._waiting_source = waiting if source is None else source
-        candidates: list[Request] = []
-        if rejected is None:
-            room = self._max_batch - len(running)
-            for r in waiting:
-                if len(candidates) >= room:
-                    break
-                out._scanned += 1
-                if r.state not in _WAITING:  # failed, or run by a caller: not a candidate
-                    continue
-                if self._never_fits(r):
-                    r.state = RequestState.FAILED
-                    out.rejected.append(r)
-                    continue
-                candidates.append(r)
-        else:
-            candidates = list(waiting)
-            out.rejected.extend(rejected)
+        out._waiting_source = source
+        out.rejected.extend(rejected)
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
         gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
             [r.request_id for r in running],
@@ -378,9 +386,9 @@ class CapacityScheduler:
         r.draft_tokens = []
         r.rewind_len = 0
 
-    def _indexed(self) -> tuple[list[Request], deque[Request]]:
-        """The index form's running and waiting requests: finished, failed or freed ones
-        leave the index; the running list stays in arrival order."""
+    def _indexed(self) -> list[Request]:
+        """The index form's running requests, in arrival order: finished, failed or freed ones
+        leave the index, and the queue's head loses the ones that stopped waiting."""
         registered = self._rm._running
         kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
         queue = self._queue
@@ -393,27 +401,26 @@ class CapacityScheduler:
         self._running = kept
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
-        return self._running, queue
+        return self._running
 
-    def _reindex(self, out: SchedulerOutput) -> None:
-        """Moves admitted requests from the queue's head to the running list and paused ones
-        back into the queue, each by arrival rank."""
+    def _reindex(self, out: SchedulerOutput, scanned: int) -> None:
+        """Moves admitted requests from the queue's first ``scanned`` entries to the running
+        list (requests that stopped waiting leave the index) and paused ones back into the
+        queue, each by arrival rank."""
         taken = out._taken
         queue = self._queue
         kept: list[Request] = []
-        for _ in range(out._scanned):  # the candidates came from the head, in order
+        for _ in range(scanned):
             r = queue.popleft()
-            if r.state not in _WAITING and r.request_id not in taken:
-                continue  # failed, or run by a caller: leaves the index
-            if r.request_id not in taken:
+            if r.request_id in taken:
+                if r.state is not RequestState.FAILED:
+                    self._insert(self._running, r)
+            elif r.state in _WAITING:
                 kept.append(r)
-            elif r.state is not RequestState.FAILED:
-                self._insert(self._running, r)
         queue.extendleft(reversed(kept))
         for r in out.paused:
             self._running.remove(r)
             self._insert(queue, r)
-        out._waiting_source = queue
 
     def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
         rank = self._rank
