@@ -6,33 +6,49 @@ to an engine's KV event stream. :class:`ZmqEventPublisher` turns a
 them unchanged. Needs ``pip install 'kvcache[events]'`` (``pyzmq`` and ``msgspec``); importing
 :mod:`kvcache` itself never imports this module.
 
-Wire format (vLLM's ``vllm/distributed/kv_events.py``):
+Wire format (vLLM 0.32's ``vllm/distributed/kv_events.py``, ``event_format="map"``, the
+default):
 
 * every message is three frames ``[topic, seq, payload]``: ``topic`` the UTF-8 topic, ``seq``
   an 8-byte big-endian batch number counting from 0, ``payload`` one msgpack
   :class:`KVEventBatch`;
 * a batch is the array ``[ts, events, data_parallel_rank]`` (``ts`` seconds since the epoch);
-* an event is a tagged array: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-  kv_cache_spec_sliding_window]``, ``["BlockRemoved", block_hashes, medium, group_idx]`` or
-  ``["AllBlocksCleared"]`` (every field present, ``None`` where unset).
-  :func:`wire_schema` with ``array_like=False`` gives the map form newer vLLM releases use
-  for events (``{"type": "BlockStored", ...}``), for
-  consumers that expect it (``event_format="map"``).
+* an event is a tagged map, ``{"type": "BlockStored", ...}``, with vLLM's field names in
+  vLLM's order, and every field equal to its default (``None``) omitted:
+  ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name`` (no default: always present), ``extra_keys, group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window, locality, ownership, session_id`` (default ``None``);
+  ``BlockRemoved``: ``block_hashes, medium`` (always present), ``group_idx, locality,
+  ownership`` (default ``None``); ``AllBlocksCleared``: no field;
 * replay: a ROUTER socket takes ``[identity, b"", start_seq]`` (a DEALER client sends
-  ``[b"", start_seq]``; a REQ client's request arrives the same way, but REQ accepts only
-  the first answer) and answers with ``[identity, b"", seq, payload]`` for every buffered
-  batch from ``start_seq`` on, then the end marker
-  ``[identity, b"", (-1 as 8 signed big-endian bytes), b""]``.
+  ``[b"", start_seq]``) and answers ``[identity, b"", topic, seq, payload]`` for every buffered
+  batch from ``start_seq`` on, then the end marker ``[identity, b"", b"", END_SEQ, b""]``
+  (``END_SEQ`` = -1 as 8 signed big-endian bytes): a DEALER receives ``[b"", topic, seq,
+  payload]`` and ``[b"", b"", END_SEQ, b""]``.
 
-Field values: ``block_hashes`` are kvcache's chained 64-bit block keys (unsigned ints);
-``parent_block_hash`` the key of the block before the first one (``None`` at the start of a
-prompt); ``token_ids`` the blocks' tokens, ``block_size`` tokens each (only full blocks are
-published: a partly filled last block of a sequence cannot be matched by a router);
-``lora_id`` the LoRA task id; ``medium`` ``"GPU"`` (primary pool), ``"CPU"`` (host offload
-pool) or ``"DISK"`` (the disk tier); ``group_idx`` the window's index in
-``manager.window_sizes``; ``kv_cache_spec_kind`` ``"full_attention"`` or
-``"sliding_window"`` with ``kv_cache_spec_sliding_window`` the window in tokens.
+``event_format="array"`` keeps the older wire for older consumers: each event a tagged array
+with every field present (``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+kv_cache_spec_sliding_window]``, ``["BlockRemoved", block_hashes, medium, group_idx]``,
+``["AllBlocksCleared"]``), and replay answers without the topic frame (``[b"", seq,
+payload]``, end ``[b"", END_SEQ, b""]``).
+
+Replay never reports completion after dropping a batch: the ROUTER socket is
+``ROUTER_MANDATORY`` and sends without blocking; a full pipe (the client reads slower than
+the replay is sent) is waited on, and a client that takes nothing for ``replay_timeout_s``
+gets no more of that answer, in particular no end marker (its request times out; it asks
+again). ``num_replays_abandoned`` counts those.
+
+Field values: ``block_hashes`` are kvcache's chained 64-bit block keys (unsigned ints,
+:func:`kvcache.block_hashes` computes them from tokens); ``parent_block_hash`` the key of the
+block before the first one (``None`` at the start of a prompt); ``token_ids`` the blocks'
+tokens, ``block_size`` tokens each (only full blocks are published: a partly filled last block
+of a sequence cannot be matched by a router); ``lora_id`` the LoRA task id, ``lora_name`` its
+name from the publisher's ``lora_names`` (else ``None``); ``medium`` ``"GPU"`` (primary pool),
+``"CPU"`` (host offload pool) or ``"DISK"`` (the disk tier); ``group_idx`` the window's index in
+``manager.window_sizes``; ``kv_cache_spec_kind`` ``"full_attention"`` or ``"sliding_window"``
+with ``kv_cache_spec_sliding_window`` the window in tokens. ``extra_keys``, ``locality``,
+``ownership`` and ``session_id`` are never set (so never sent in the map form).
 
 A block moving between media (offload to host, onboard back to the primary pool) is a
 ``BlockRemoved`` on the old medium followed by a ``BlockStored`` on the new one. When the
@@ -44,10 +60,13 @@ engine's blocks rather than route to blocks that may be gone.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import queue
+import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +77,11 @@ if TYPE_CHECKING:
     from kvcache.manager import KVCacheEvent, KVCacheManager
 
 __all__ = [
+    "ARRAY_SCHEMA",
+    "END_SEQ",
+    "MAP_SCHEMA",
+    "MAX_BUFFER_STEPS",
+    "MAX_HWM",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_GPU",
@@ -83,6 +107,12 @@ _MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
 
 #: Replay end marker: -1 as an 8-byte signed big-endian integer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: Largest ``buffer_steps``: the replay ring holds at most this many batches.
+MAX_BUFFER_STEPS = 10_000_000
+#: Largest ``hwm``: ZeroMQ's high-water marks are C ints.
+MAX_HWM = 2**31 - 1
+_SCHEMES = ("tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "ws", "wss")
+_ENDPOINT = re.compile("^(" + "|".join(_SCHEMES) + r")://\S+$")
 
 
 @dataclass(frozen=True)
@@ -96,9 +126,11 @@ class WireSchema:
     array_like: bool
 
 
-def wire_schema(array_like: bool = True) -> WireSchema:
-    """The wire structs, with events as positional arrays (``True``) or tagged maps.
+def wire_schema(array_like: bool = False) -> WireSchema:
+    """The wire structs: events as tagged maps (vLLM 0.32, the default) or positional arrays.
 
+    The map form's events carry vLLM 0.32's fields (``locality``, ``ownership`` and, on
+    ``BlockStored``, ``session_id`` included); the array form keeps the older field lists.
     The batch is always the array ``[ts, events, data_parallel_rank]``. Build a subscriber's
     decoder with ``msgspec.msgpack.Decoder(wire_schema().KVEventBatch)``.
     """
@@ -106,34 +138,49 @@ def wire_schema(array_like: bool = True) -> WireSchema:
     class _Event(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
         pass
 
-    class BlockStored(_Event):
-        block_hashes: list[int]
-        parent_block_hash: int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple[Any, ...] | None] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-
-    class BlockRemoved(_Event):
-        block_hashes: list[int]
-        medium: str | None
-        group_idx: int | None = None
-
-    class AllBlocksCleared(_Event):
-        pass
+    # The map form is vLLM 0.32's; the array form keeps the older field lists.
+    newer: list[tuple[str, Any, Any]] = [] if array_like else [("locality", str | None, None)]
+    newer += [] if array_like else [("ownership", str | None, None)]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", list[int]),
+            ("parent_block_hash", int | None),
+            ("token_ids", list[int]),
+            ("block_size", int),
+            ("lora_id", int | None),
+            ("medium", str | None),
+            ("lora_name", str | None),
+            ("extra_keys", list[tuple[Any, ...] | None] | None, None),
+            ("group_idx", int | None, None),
+            ("kv_cache_spec_kind", str | None, None),
+            ("kv_cache_spec_sliding_window", int | None, None),
+            *newer,
+            *([] if array_like else [("session_id", str | None, None)]),
+        ],
+        bases=(_Event,),
+        module=__name__,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [
+            ("block_hashes", list[int]),
+            ("medium", str | None),
+            ("group_idx", int | None, None),
+            *newer,
+        ],
+        bases=(_Event,),
+        module=__name__,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], bases=(_Event,), module=__name__)
 
     # Built with real types: string annotations would resolve the event names in the
-    # module's namespace (the array form) rather than these local classes.
+    # module's namespace rather than these local classes.
     kv_event_batch = msgspec.defstruct(
         "KVEventBatch",
         [
             ("ts", float),
-            ("events", list[BlockStored | BlockRemoved | AllBlocksCleared]),
+            ("events", list[stored | removed | cleared]),  # type: ignore[valid-type]
             ("data_parallel_rank", int | None, None),
         ],
         array_like=True,
@@ -142,19 +189,21 @@ def wire_schema(array_like: bool = True) -> WireSchema:
         module=__name__,
     )
 
-    return WireSchema(BlockStored, BlockRemoved, AllBlocksCleared, kv_event_batch, array_like)
+    return WireSchema(stored, removed, cleared, kv_event_batch, array_like)
 
 
-_ARRAY = wire_schema(True)
-_MAP = wire_schema(False)
-#: ``BlockStored`` event struct (array form).
-BlockStored = _ARRAY.BlockStored
-#: ``BlockRemoved`` event struct (array form).
-BlockRemoved = _ARRAY.BlockRemoved
-#: ``AllBlocksCleared`` event struct (array form).
-AllBlocksCleared = _ARRAY.AllBlocksCleared
-#: ``KVEventBatch`` struct: ``[ts, events, data_parallel_rank]`` (array-form events).
-KVEventBatch = _ARRAY.KVEventBatch
+#: The map form's structs (vLLM 0.32, the default ``event_format``).
+MAP_SCHEMA = wire_schema(False)
+#: The array form's structs (``event_format="array"``).
+ARRAY_SCHEMA = wire_schema(True)
+#: ``BlockStored`` event struct (map form).
+BlockStored = MAP_SCHEMA.BlockStored
+#: ``BlockRemoved`` event struct (map form).
+BlockRemoved = MAP_SCHEMA.BlockRemoved
+#: ``AllBlocksCleared`` event struct (map form).
+AllBlocksCleared = MAP_SCHEMA.AllBlocksCleared
+#: ``KVEventBatch`` struct: ``[ts, events, data_parallel_rank]`` (map-form events).
+KVEventBatch = MAP_SCHEMA.KVEventBatch
 EventBatch = KVEventBatch
 
 
@@ -191,6 +240,28 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _check_endpoint(name: str, endpoint: object) -> None:
+    """ValueError unless ``endpoint`` looks like a ZeroMQ address (``scheme://address``)."""
+    if not isinstance(endpoint, str) or not _ENDPOINT.match(endpoint):
+        raise ValueError(
+            f"{name} must be a ZeroMQ address such as tcp://*:5557, ipc:///tmp/kv or "
+            f"inproc://kv (schemes: {', '.join(_SCHEMES)}), got {endpoint!r}"
+        )
+
+
+def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> None:
+    """Binds or connects; an address ZeroMQ cannot parse is a ValueError, not a ZMQError."""
+    try:
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        if e.errno in (errno.EINVAL, errno.EPROTONOSUPPORT, errno.ENODEV):
+            raise ValueError(f"invalid ZeroMQ endpoint {endpoint!r}: {e.strerror}") from e
+        raise
+
+
 class ZmqEventPublisher:
     """Publishes a manager's KV cache events as vLLM ``KVEventBatch`` messages over ZeroMQ.
 
@@ -207,17 +278,26 @@ class ZmqEventPublisher:
         endpoint: PUB address. A wildcard (``tcp://*:5557``), ``ipc://`` or ``inproc://``
             binds; anything else (``tcp://router:5557``) connects.
         replay_endpoint: ROUTER address for replay (bound), or ``None`` for no replay.
-        topic: Topic frame of every message.
-        buffer_steps: Batches kept for replay.
-        hwm: Send high-water mark of the PUB socket (messages).
+        topic: Topic frame of every message (and of every replay answer in the map form).
+        buffer_steps: Batches kept for replay, 1 to :data:`MAX_BUFFER_STEPS`.
+        hwm: Send high-water mark of the PUB and ROUTER sockets (messages), 1 to
+            :data:`MAX_HWM`. A PUB socket drops messages for a subscriber that is ``hwm``
+            behind (it sees a sequence gap and replays); the ROUTER never drops (see
+            ``replay_timeout_s``).
         data_parallel_rank: Written into every batch; a rank ``r > 0`` also offsets both
             endpoints' TCP ports by ``r``, as vLLM does.
-        event_format: ``"array"`` (events as positional arrays, vLLM's long-standing form,
-            the default) or ``"map"`` (events as tagged maps, newer vLLM).
+        event_format: ``"map"`` (vLLM 0.32's wire: tagged-map events, replay answers with
+            the topic frame; the default) or ``"array"`` (the older wire: positional-array
+            events, replay answers without the topic frame).
+        replay_timeout_s: How long a replay answer waits for a client that reads nothing
+            (its pipe full) before it is abandoned, end marker included (> 0, at most a day).
+        lora_names: LoRA task id -> adapter name, written as ``lora_name`` (a router matches
+            by name; ``None`` leaves ``lora_name`` unset).
 
     Raises:
-        ValueError: Events disabled on the manager, a bad argument.
-        zmq.ZMQError: An endpoint could not be bound or connected.
+        ValueError: Events disabled on the manager, a bad argument, an endpoint that is not a
+            ZeroMQ address (``"garbage"``).
+        zmq.ZMQError: A valid endpoint could not be bound or connected (address in use).
 
     Example:
         >>> import kvcache, msgspec, zmq
@@ -233,13 +313,13 @@ class ZmqEventPublisher:
         >>> pub.publish()
         0
         >>> replay = zmq.Context.instance().socket(zmq.DEALER)
-        >>> replay.connect("inproc://doc-r")
+        >>> _ = replay.connect("inproc://doc-r")
         >>> replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        >>> _, seq, payload = replay.recv_multipart()
+        >>> _, topic, seq, payload = replay.recv_multipart()
         >>> batch = msgspec.msgpack.decode(payload, type=wire_schema().KVEventBatch)
         >>> [type(e).__name__ for e in batch.events], batch.events[0].token_ids
         (['BlockStored'], [0, 1, 2, 3, 4, 5, 6, 7])
-        >>> replay.recv_multipart()[1] == (-1).to_bytes(8, "big", signed=True)
+        >>> replay.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True)
         True
         >>> replay.close(); pub.close()
     """
@@ -254,16 +334,32 @@ class ZmqEventPublisher:
         hwm: int = 100_000,
         data_parallel_rank: int | None = None,
         *,
-        event_format: str = "array",
+        event_format: str = "map",
+        replay_timeout_s: float = 10.0,
+        lora_names: Mapping[int, str] | None = None,
     ) -> None:
         config = getattr(manager, "config", None)
         if config is None or getattr(config, "event_buffer_max_size", 0) <= 0:
             raise ValueError(
                 "the manager records no events: set KvCacheConfig.event_buffer_max_size > 0"
             )
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, value, most in (
+            ("buffer_steps", buffer_steps, MAX_BUFFER_STEPS),
+            ("hwm", hwm, MAX_HWM),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                raise ValueError(f"{name} must be an int in [1, {most}], got {value!r}")
+        if (
+            isinstance(replay_timeout_s, bool)
+            or not isinstance(replay_timeout_s, (int, float))
+            or not 0 < replay_timeout_s <= 86_400
+        ):
+            raise ValueError(
+                f"replay_timeout_s must be a number in (0, 86400], got {replay_timeout_s!r}"
+            )
+        names = dict(lora_names or {})
+        if not all(isinstance(k, int) and isinstance(v, str) for k, v in names.items()):
+            raise ValueError("lora_names must map int LoRA task ids to str names")
         if data_parallel_rank is not None and (
             isinstance(data_parallel_rank, bool)
             or not isinstance(data_parallel_rank, int)
@@ -276,13 +372,17 @@ class ZmqEventPublisher:
             raise ValueError(f'event_format must be "array" or "map", got {event_format!r}')
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
-        pub_endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        _check_endpoint("endpoint", endpoint)
+        if replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", replay_endpoint)
+        pub_endpoint = str(offset_endpoint_port(endpoint, data_parallel_rank))
         replay_at = offset_endpoint_port(replay_endpoint, data_parallel_rank)
-        if not pub_endpoint:
-            raise ValueError("endpoint must be a ZeroMQ address such as tcp://*:5557")
 
         self._manager = manager
-        self._schema = _ARRAY if event_format == "array" else _MAP
+        self._schema = ARRAY_SCHEMA if event_format == "array" else MAP_SCHEMA
+        self._replay_topic = event_format == "map"
+        self._replay_timeout_s = float(replay_timeout_s)
+        self._lora_names = names
         self._encoder = msgspec.msgpack.Encoder()
         self._dp_rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
@@ -297,19 +397,22 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self._lost = 0
         self._closed = False
+        self._failure: BaseException | None = None
+        self._stop = False
+        self._replays_abandoned = 0
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.set_hwm(hwm)
-            if _binds(pub_endpoint):
-                self._pub.bind(pub_endpoint)
-            else:
-                self._pub.connect(pub_endpoint)
+            _attach(self._pub, pub_endpoint, _binds(pub_endpoint))
             if replay_at is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
-                self._replay.bind(replay_at)
+                self._replay.setsockopt(zmq.SNDHWM, hwm)
+                # A full pipe raises Again rather than dropping the message silently.
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                _attach(self._replay, replay_at, True)
         except BaseException:
             self._pub.close(linger=0)
             if self._replay is not None:
@@ -343,6 +446,11 @@ class ZmqEventPublisher:
         return self._lost
 
     @property
+    def num_replays_abandoned(self) -> int:
+        """Replay answers given up because the client read nothing for ``replay_timeout_s``."""
+        return self._replays_abandoned
+
+    @property
     def next_seq(self) -> int:
         """The sequence number the next batch will carry."""
         return self._next_seq
@@ -355,10 +463,12 @@ class ZmqEventPublisher:
             message is sent for an empty step).
 
         Raises:
-            RuntimeError: The publisher is closed.
+            RuntimeError: The publisher is closed, or its sender thread failed (the cause is
+                chained): nothing published since then was sent.
         """
         if self._closed:
             raise RuntimeError("ZmqEventPublisher is closed")
+        self._check_sender()
         events = self._manager.get_latest_events(0)
         wire = self.convert(events)
         if not wire:
@@ -370,6 +480,13 @@ class ZmqEventPublisher:
         self._next_seq += 1
         self._queue.put((seq, self._encoder.encode(batch)))
         return seq
+
+    def _check_sender(self) -> None:
+        failure = self._failure
+        if failure is not None or not self._thread.is_alive():
+            raise RuntimeError(
+                f"the event sender thread failed ({failure!r}); events are no longer sent"
+            ) from failure
 
     def convert(self, events: list[KVCacheEvent]) -> list[Any]:
         """vLLM wire events for a run of the manager's events (updates the publisher's state).
@@ -462,7 +579,7 @@ class ZmqEventPublisher:
                 block_size=self._block_size,
                 lora_id=block.lora_id,
                 medium=medium,
-                lora_name=None,
+                lora_name=None if block.lora_id is None else self._lora_names.get(block.lora_id),
                 extra_keys=None,
                 group_idx=group,
                 kv_cache_spec_kind="sliding_window" if sliding else "full_attention",
@@ -488,46 +605,48 @@ class ZmqEventPublisher:
         """Owns both sockets: sends queued batches, answers replay requests.
 
         Every pass first sends everything queued, then answers waiting replay requests, so a
-        replay asked for after ``publish`` returned always includes that batch.
+        replay asked for after ``publish`` returned always includes that batch. A failure is
+        kept for :meth:`publish` to raise.
         """
         buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self._buffer_steps)
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
-        stop = False
-
-        def drain() -> bool:
-            """Sends every queued batch; True once the stop sentinel was taken."""
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    return False
-                if item is None:
-                    return True
-                seq, payload = item
-                self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
-                buffer.append(item)
-
+        self._stop = False
         try:
-            while not stop:
-                stop = drain()
+            while not self._stop:
+                self._drain(buffer)
                 while self._replay is not None and poller.poll(0):
                     # A request that arrived after publish() returned sees that batch.
-                    stop = drain() or stop
+                    self._drain(buffer)
                     self._serve_replay(buffer)
-                if not stop:
+                if not self._stop:
                     # Wake for a replay request at once, for a queued batch within 2 ms.
                     if self._replay is not None:
                         poller.poll(2)
                     else:
                         time.sleep(0.002)
-        except Exception:  # pragma: no cover - the thread must not die silently
+        except BaseException as e:
+            self._failure = e
             _log.exception("kvcache ZMQ event publisher failed")
         finally:
             self._pub.close(linger=1000)
             if self._replay is not None:
                 self._replay.close(linger=1000)
+
+    def _drain(self, buffer: collections.deque[tuple[int, bytes]]) -> None:
+        """Sends every queued batch on the PUB socket; sets ``_stop`` at the sentinel."""
+        while not self._stop:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._stop = True
+                return
+            seq, payload = item
+            self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+            buffer.append(item)
 
     def _serve_replay(self, buffer: collections.deque[tuple[int, bytes]]) -> None:
         assert self._replay is not None
@@ -543,7 +662,40 @@ class ZmqEventPublisher:
             _log.warning("ignoring a replay request whose start is %d bytes", len(start))
             return
         first = int.from_bytes(start, "big")
-        for seq, payload in buffer:
-            if seq >= first:
-                self._replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([identity, b"", END_SEQ, b""])
+        head = [identity, b""] + ([self._topic] if self._replay_topic else [])
+        # A snapshot: live batches sent while this answer waits must not change the ring
+        # under the loop.
+        for seq, payload in [item for item in buffer if item[0] >= first]:
+            if not self._send_replay([*head, seq.to_bytes(8, "big"), payload], buffer):
+                return
+        end = [identity, b""] + ([b""] if self._replay_topic else [])
+        self._send_replay([*end, END_SEQ, b""], buffer)
+
+    def _send_replay(
+        self, frames: list[bytes], buffer: collections.deque[tuple[int, bytes]]
+    ) -> bool:
+        """Sends one replay message without dropping it: waits while the client's pipe is full
+        (sending live batches meanwhile), for at most ``replay_timeout_s`` without progress.
+        False (nothing sent) when that passes or the client is gone: the answer is abandoned.
+        """
+        assert self._replay is not None
+        deadline = time.monotonic() + self._replay_timeout_s
+        while True:
+            try:
+                self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    break
+                self._drain(buffer)
+                time.sleep(0.0005)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                break  # the client disconnected
+        self._replays_abandoned += 1
+        _log.warning(
+            "abandoned a replay answer: the client took nothing for %.1f s or left",
+            self._replay_timeout_s,
+        )
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -12,10 +13,10 @@ msgspec = pytest.importorskip("msgspec")
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig  # noqa: E402
 from kvcache.events import (  # noqa: E402
     END_SEQ,
-    KVEventBatch,
+    MAX_BUFFER_STEPS,
+    MAX_HWM,
     ZmqEventPublisher,
     offset_endpoint_port,
-    wire_schema,
 )
 from kvcache.resource_manager import (  # noqa: E402
     KVCacheResourceManager,
@@ -25,6 +26,87 @@ from kvcache.resource_manager import (  # noqa: E402
 
 TIMEOUT_MS = 20_000  # only a hang guard; nothing asserts on time
 MODEL = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
+
+
+# vLLM 0.32's wire schema, written here from its documented field lists (not kvcache's
+# structs): events are tagged maps, fields equal to their default omitted. Unknown fields are
+# rejected, so kvcache can send nothing vLLM's decoder would not expect.
+class VEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class VBlockStored(VEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class VBlockRemoved(VEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class VAllBlocksCleared(VEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+# The older array form, also written here: every field present, in this order.
+class AEvent(msgspec.Struct, array_like=True, gc=False, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class ABlockStored(AEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+
+
+class ABlockRemoved(AEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None
+
+
+class AAllBlocksCleared(AEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ABatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ABlockStored | ABlockRemoved | AAllBlocksCleared]
+    data_parallel_rank: int | None
+
+
+V_DECODER = msgspec.msgpack.Decoder(VBatch)
+A_DECODER = msgspec.msgpack.Decoder(ABatch)
 
 
 def _manager(
@@ -40,14 +122,14 @@ def _manager(
 
 
 class Subscriber:
-    """A SUB socket on loopback that decodes with a decoder built from the wire schema."""
+    """A SUB socket on loopback that decodes with the test's own vLLM schema."""
 
-    def __init__(self, endpoint: str, topic: str = "", array_like: bool = True) -> None:
+    def __init__(self, endpoint: str, topic: str = "", array_like: bool = False) -> None:
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.sock.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(wire_schema(array_like).KVEventBatch)
+        self.decoder = A_DECODER if array_like else V_DECODER
         self.topic = topic.encode()
 
     def recv(self, timeout_ms: int = TIMEOUT_MS) -> tuple[int, Any, bytes] | None:
@@ -77,7 +159,10 @@ def _wait_connected(
             return got
 
 
-def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(endpoint: str, start: int, topic: bytes | None = b"") -> list[tuple[int, bytes]]:
+    """Every (seq, payload) of a replay answer read by a DEALER, checking each frame: with
+    ``topic`` (the map form) ``[b"", topic, seq, payload]`` and ``[b"", b"", END_SEQ, b""]``,
+    without (``None``, the array form) ``[b"", seq, payload]`` and ``[b"", END_SEQ, b""]``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     try:
@@ -85,11 +170,16 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
         out = []
         while True:
             assert sock.poll(TIMEOUT_MS)
-            empty, seq, payload = sock.recv_multipart()
+            frames = sock.recv_multipart()
+            if topic is None:
+                empty, seq, payload = frames
+            else:
+                empty, got_topic, seq, payload = frames
             assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert payload == b"" and (topic is None or got_topic == b"")
                 return out
+            assert topic is None or got_topic == topic
             out.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(linger=0)
@@ -98,7 +188,7 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 def _as_tuples(events: list[Any]) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for e in events:
-        name = type(e).__name__
+        name = type(e).__name__.removeprefix("V")
         if name == "BlockStored":
             out.append((name, e.medium, e.block_hashes, e.parent_block_hash, e.group_idx))
         elif name == "BlockRemoved":
@@ -129,8 +219,7 @@ def test_stores_removals_offloads_and_onboards_arrive_in_order() -> None:
     batches = _replay(str(pub.replay_endpoint), 0)
     pub.close()
     assert [seq for seq, _ in batches] == [0, 1, 2]
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    decoded = [decoder.decode(p) for _, p in batches]
+    decoded = [V_DECODER.decode(p) for _, p in batches]
     assert all(d.data_parallel_rank is None for d in decoded)
 
     (s0,) = decoded[0].events
@@ -161,44 +250,92 @@ def test_stores_removals_offloads_and_onboards_arrive_in_order() -> None:
     ]
     assert decoded[2].events[3].token_ids == b[8:12]
 
-    # The raw payload is vLLM's array form: [ts, [[tag, fields...]], rank].
+    # The raw payload is vLLM 0.32's: [ts, [{"type": tag, field: value...}], rank], the
+    # fields in vLLM's order, those equal to their default (None) left out.
     raw = msgspec.msgpack.decode(batches[0][1])
     assert isinstance(raw, list) and isinstance(raw[0], float) and raw[2] is None
     assert raw[1] == [
-        [
-            "BlockStored",
-            [a0, a1],
-            None,
-            a[:8],
-            4,
-            None,
-            "GPU",
-            None,
-            None,
-            0,
-            "full_attention",
-            None,
-        ]
+        {
+            "type": "BlockStored",
+            "block_hashes": [a0, a1],
+            "parent_block_hash": None,
+            "token_ids": a[:8],
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
     ]
+    assert list(raw[1][0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+        "kv_cache_spec_kind",
+    ]
+    removed = msgspec.msgpack.decode(batches[1][1])[1][0]
+    assert removed == {
+        "type": "BlockRemoved",
+        "block_hashes": [a1],
+        "medium": "GPU",
+        "group_idx": 0,
+    }
 
 
-def test_sliding_windows_and_the_map_form() -> None:
+def test_sliding_windows_and_the_older_array_form() -> None:
     kv = _manager({8: 8, 64: 8}, window=[8, None])
     pub = ZmqEventPublisher(
-        kv, "inproc://kv-map", replay_endpoint="inproc://kv-map-r", event_format="map"
+        kv, "inproc://kv-arr", replay_endpoint="inproc://kv-arr-r", event_format="array"
     )
+    kv.add_sequence(1, list(range(9)))
+    kv.remove_sequence(1)
+    pub.publish()
+    # The older replay answer has no topic frame.
+    ((_, payload),) = _replay("inproc://kv-arr-r", 0, topic=None)
+    pub.close()
+    events = A_DECODER.decode(payload).events
+    groups = [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events]
+    assert groups == [(0, "sliding_window", 8), (1, "full_attention", None)]
+    h0, h1 = events[0].block_hashes
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1][0] == [
+        "BlockStored",
+        [h0, h1],
+        None,
+        list(range(8)),
+        4,
+        None,
+        "GPU",
+        None,
+        None,
+        0,
+        "sliding_window",
+        8,
+    ]
+    assert raw[1][1][9:] == [1, "full_attention", None]
+
+
+def test_sliding_windows_in_the_map_form() -> None:
+    kv = _manager({8: 8, 64: 8}, window=[8, None])
+    pub = ZmqEventPublisher(kv, "inproc://kv-map", replay_endpoint="inproc://kv-map-r")
     kv.add_sequence(1, list(range(9)))
     kv.remove_sequence(1)
     pub.publish()
     ((_, payload),) = _replay("inproc://kv-map-r", 0)
     pub.close()
-    events = msgspec.msgpack.Decoder(wire_schema(array_like=False).KVEventBatch).decode(payload)
-    groups = [
-        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events.events
-    ]
+    events = V_DECODER.decode(payload).events
+    groups = [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events]
     assert groups == [(0, "sliding_window", 8), (1, "full_attention", None)]
-    raw = msgspec.msgpack.decode(payload)
-    assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["medium"] == "GPU"
+    raw = msgspec.msgpack.decode(payload)[1]
+    assert raw[0]["kv_cache_spec_sliding_window"] == 8
+    assert "kv_cache_spec_sliding_window" not in raw[1]  # None: omitted
 
 
 def test_late_subscriber_recovers_missed_batches_through_replay() -> None:
@@ -219,11 +356,10 @@ def test_late_subscriber_recovers_missed_batches_through_replay() -> None:
         # Missed: every batch before the first one received, recovered from the buffer.
         missed = _replay(str(pub.replay_endpoint), 0)
         assert [s for s, _ in missed][:first] == list(range(first))
-        decoder = msgspec.msgpack.Decoder(KVEventBatch)
         for seq, payload in missed[:20]:
-            (stored,) = decoder.decode(payload).events
+            (stored,) = V_DECODER.decode(payload).events
             assert stored.token_ids == [1000 * seq + t for t in range(8)]
-            assert decoder.decode(payload).data_parallel_rank == 0
+            assert V_DECODER.decode(payload).data_parallel_rank == 0
         # A replay from a later point starts there.
         assert [s for s, _ in _replay(str(pub.replay_endpoint), 15)][:5] == [15, 16, 17, 18, 19]
         sub.close()
@@ -274,9 +410,8 @@ def test_nothing_is_lost_under_100000_events() -> None:
             assert seq == first + len(received)
             received[seq] = batch
         # The warm-up batches before the first received come from replay.
-        decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        for seq, payload in _replay(str(pub.replay_endpoint), 0):
-            received.setdefault(seq, decoder.decode(payload))
+        for seq, payload in _replay(str(pub.replay_endpoint), 0, topic=b"kv"):
+            received.setdefault(seq, V_DECODER.decode(payload))
         assert sorted(received) == list(range(end))
         # Replaying the stream reproduces the cache's content exactly.
         router: dict[int, str] = {}
@@ -284,7 +419,7 @@ def test_nothing_is_lost_under_100000_events() -> None:
         for seq in range(end):
             for e in received[seq].events:
                 n_events += seq >= start
-                if type(e).__name__ == "BlockStored":
+                if isinstance(e, VBlockStored):
                     for h in e.block_hashes:
                         assert h not in router
                         router[h] = e.medium
@@ -316,9 +451,9 @@ def test_lost_events_clear_the_router() -> None:
     pub.publish()
     assert pub.num_lost_events == 5
     (_, _), (_, p1) = _replay("inproc://kv-lost-r", 0)
-    events = msgspec.msgpack.Decoder(KVEventBatch).decode(p1).events
-    assert [type(e).__name__ for e in events] == ["AllBlocksCleared"] + ["BlockStored"] * 4
-    assert msgspec.msgpack.decode(p1)[1][0] == ["AllBlocksCleared"]
+    events = V_DECODER.decode(p1).events
+    assert [type(e).__name__ for e in events] == ["VAllBlocksCleared"] + ["VBlockStored"] * 4
+    assert msgspec.msgpack.decode(p1)[1][0] == {"type": "AllBlocksCleared"}
     pub.close()
 
 
@@ -351,13 +486,24 @@ def test_bad_arguments() -> None:
         ZmqEventPublisher(quiet, "inproc://x")
     kv = _manager({64: 4})
     for kwargs, match in (
-        ({"buffer_steps": 0}, "buffer_steps"),
-        ({"hwm": -1}, "hwm"),
+        ({"buffer_steps": 0}, r"buffer_steps must be an int in \[1, 10000000\], got 0"),
+        ({"buffer_steps": 2**63}, r"buffer_steps must be an int in \[1, 10000000\]"),
+        ({"hwm": -1}, r"hwm must be an int in \[1, 2147483647\], got -1"),
+        ({"hwm": 2**63}, r"hwm must be an int in \[1, 2147483647\]"),
         ({"data_parallel_rank": -1}, "data_parallel_rank"),
         ({"event_format": "json"}, "event_format"),
+        ({"replay_timeout_s": 0}, "replay_timeout_s"),
+        ({"lora_names": {"a": 1}}, "lora_names"),
+        ({"endpoint": "garbage"}, "endpoint must be a ZeroMQ address"),
+        ({"endpoint": None}, "endpoint must be a ZeroMQ address"),
+        ({"endpoint": "tcp://nohost"}, "invalid ZeroMQ endpoint 'tcp://nohost'"),
+        ({"replay_endpoint": "garbage"}, "replay_endpoint must be a ZeroMQ address"),
     ):
+        kwargs.setdefault("endpoint", "inproc://x")
         with pytest.raises(ValueError, match=match):
-            ZmqEventPublisher(kv, "inproc://x", **kwargs)
+            ZmqEventPublisher(kv, **kwargs)
+    # The bounds themselves are accepted.
+    ZmqEventPublisher(kv, "inproc://kv-max", buffer_steps=MAX_BUFFER_STEPS, hwm=MAX_HWM).close()
     pub = ZmqEventPublisher(kv, "inproc://kv-bad")
     pub.close()
     pub.close()  # idempotent
@@ -373,3 +519,123 @@ def test_data_parallel_rank_offsets_ports_like_vllm() -> None:
     assert offset_endpoint_port(None, 3) is None
     with pytest.raises(ValueError):
         offset_endpoint_port("ipc:///tmp/x", 1)
+
+
+def _store_steps(kv: KVCacheManager, pub: ZmqEventPublisher, n: int) -> None:
+    """``n`` steps of one stored block each: batches 0 .. n - 1 (a pool of 64 blocks evicts
+    the oldest: later batches also remove a block)."""
+    for r in range(n):
+        kv.add_sequence(r, [100_000 + 8 * r + t for t in range(5)])
+        kv.remove_sequence(r)
+        assert pub.publish() == r
+
+
+def test_replay_waits_for_a_slow_client_and_drops_nothing() -> None:
+    # 3,000 batches through a pipe of a few messages: every one arrives, then the end marker.
+    kv = _manager({64: 64})
+    pub = ZmqEventPublisher(kv, "inproc://kv-bp", "inproc://kv-bp-r", topic="t", hwm=2)
+    n = 3_000
+    _store_steps(kv, pub, n)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 2)
+    sock.connect("inproc://kv-bp-r")
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.3)  # the pipe fills; the publisher must wait, not drop
+        seqs = []
+        while True:
+            assert sock.poll(TIMEOUT_MS)
+            frames = sock.recv_multipart()
+            assert len(frames) == 4 and frames[0] == b""
+            if frames[2] == END_SEQ:
+                assert frames[1] == b"" and frames[3] == b""
+                break
+            assert frames[1] == b"t"
+            seqs.append(int.from_bytes(frames[2], "big"))
+            if len(seqs) % 500 == 0:
+                time.sleep(0.05)  # a client that stalls now and then
+        assert seqs == list(range(n))
+        assert pub.num_replays_abandoned == 0
+    finally:
+        sock.close(linger=0)
+        pub.close()
+
+
+def test_replay_to_a_client_that_stops_reading_ends_without_the_end_marker() -> None:
+    kv = _manager({64: 64})
+    pub = ZmqEventPublisher(
+        kv, "inproc://kv-stall", "inproc://kv-stall-r", hwm=2, replay_timeout_s=0.2
+    )
+    n = 200
+    _store_steps(kv, pub, n)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 2)
+    sock.connect("inproc://kv-stall-r")
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        deadline = time.monotonic() + 20
+        while pub.num_replays_abandoned == 0:  # reads nothing until the publisher gives up
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        seqs = []
+        while sock.poll(300):
+            _, _, seq, _ = sock.recv_multipart()
+            assert seq != END_SEQ, "an answer that lost batches must not report completion"
+            seqs.append(int.from_bytes(seq, "big"))
+        # What did arrive is a gap-free prefix: nothing was dropped in between.
+        assert 0 < len(seqs) < n and seqs == list(range(len(seqs)))
+        assert pub.num_replays_abandoned == 1
+        # Live batches kept flowing while the replay waited, and a new request is answered.
+        kv.add_sequence(n, list(range(900_000, 900_005)))
+        kv.remove_sequence(n)
+        assert pub.publish() == n
+        assert [s for s, _ in _replay("inproc://kv-stall-r", n - 5)] == list(range(n - 5, n + 1))
+    finally:
+        sock.close(linger=0)
+        pub.close()
+
+
+class _BrokenSocket:
+    """Stands in for the PUB socket: every send fails."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def send_multipart(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    def close(self, linger: int | None = None) -> None:
+        self.real.close(linger=0)
+
+
+def test_a_dead_sender_thread_makes_publish_raise_with_the_cause() -> None:
+    kv = _manager({64: 16})
+    pub = ZmqEventPublisher(kv, "inproc://kv-dead")
+    pub._pub = _BrokenSocket(pub._pub)  # type: ignore[assignment]
+    kv.add_sequence(1, list(range(5)))
+    kv.remove_sequence(1)
+    assert pub.publish() == 0  # queued; the thread dies sending it
+    deadline = time.monotonic() + 20
+    with pytest.raises(RuntimeError, match="sender thread failed") as err:
+        while True:
+            assert time.monotonic() < deadline
+            kv.add_sequence(2, list(range(5)))
+            kv.remove_sequence(2)
+            pub.publish()
+            time.sleep(0.01)
+    assert isinstance(err.value.__cause__, OSError) and "No space left" in str(err.value)
+    pub.close()  # still closes
+
+
+def test_lora_names_are_published() -> None:
+    kv = _manager({64: 16})
+    pub = ZmqEventPublisher(kv, "inproc://kv-lora", "inproc://kv-lora-r", lora_names={7: "sql"})
+    kv.add_sequence(1, list(range(5)), lora_task_id=7)
+    kv.remove_sequence(1)
+    kv.add_sequence(2, list(range(5)), lora_task_id=8)
+    kv.remove_sequence(2)
+    pub.publish()
+    ((_, payload),) = _replay("inproc://kv-lora-r", 0)
+    pub.close()
+    events = V_DECODER.decode(payload).events
+    assert [(e.lora_id, e.lora_name) for e in events] == [(7, "sql"), (8, None)]
