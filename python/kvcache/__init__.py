@@ -16,6 +16,7 @@ from kvcache._core import (
     PreparedPrompt,
 )
 from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.hashing import block_hashes
 from kvcache.manager import (
     NULL_BLOCK,
     OFFSET_SENTINEL,
@@ -58,6 +59,7 @@ __all__ = [
     "ScheduledBatch",
     "__version__",
     "available_memory_bytes",
+    "block_hashes",
     "blocks_per_window",
     "bytes_per_token",
     "cuda_available",

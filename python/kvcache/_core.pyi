@@ -444,6 +444,19 @@ class CapacityScheduler:
         Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager.
         """
 
+def _block_hashes(
+    tokens: typing.Any,
+    tokens_per_block: typing.SupportsIndex,
+    lora_task_id: typing.SupportsIndex | None = None,
+    cache_salt: typing.SupportsIndex | None = None,
+    multimodal: collections.abc.Sequence[
+        tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
+    ] = [],
+) -> list[int]:
+    """
+    Chained block keys of the full blocks of `tokens` (the core's ChainHashes).
+    """
+
 def blocks_to_run_alone(
     prompt_len: typing.SupportsIndex,
     final_tokens: typing.SupportsIndex,

@@ -1,0 +1,518 @@
+"""A router's index of what each engine caches, fed only by the engines' KV event streams.
+
+:class:`KvIndexer` applies vLLM ``KVEventBatch``es (either wire form, raw or decoded) per
+engine and answers, for any prompt, how many of its tokens an engine would reuse: exactly
+what that engine's own ``KVCacheManager.get_reusable_prefix_length`` returns (with
+``enable_partial_reuse=False``), sliding windows included. :class:`ZmqEventSubscriber`
+follows several engines' ZeroMQ streams into an indexer and replays what it missed. Needs
+``pip install 'kvcache[events]'`` (``msgspec`` for raw payloads, ``pyzmq`` for the
+subscriber).
+
+The rule, replicated from the core's (``cpp/src/kv_cache_manager_reuse.cpp``), from the events'
+data only: a prompt of ``n`` tokens is keyed on its first ``n - 1`` (the last token is always
+computed), cut into full blocks of ``block_size`` tokens, each with its chained key
+(:func:`kvcache.block_hashes`). A prefix of ``p`` blocks is reusable when every
+full-attention group (``kv_cache_spec_kind`` ``"full_attention"``) holds blocks ``0 .. p-1``
+and every sliding-window group of window ``W`` holds the blocks that cover the last ``W``
+tokens before the hit point: blocks ``max(0, p - ceil(W / block_size)) .. p-1``. The answer is
+the largest such ``p`` times ``block_size`` (0 if none). A block counts in any medium (device,
+host, disk). A block's key covers its whole prefix, so holding block ``p-1`` implies the
+engine's reuse tree reaches it.
+
+The index knows an engine's groups from its events (``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``, ``block_size`` of ``BlockStored``); a group it never heard
+of cannot constrain the answer. With ``enable_partial_reuse=True`` an engine may also reuse
+part of the next block: its answer is then at most ``block_size - 1`` tokens above ``match``
+(and never below it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache.hashing import block_hashes
+from kvcache.manager import _key_kwargs
+
+__all__ = ["KvIndexer", "ZmqEventSubscriber"]
+
+_log = logging.getLogger(__name__)
+
+# Field order of the older array form's events (after the tag).
+_ARRAY_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
+    "AllBlocksCleared": (),
+}
+
+
+@dataclass
+class _Group:
+    """One KV cache group (a window) of one engine: its spec and the blocks it holds."""
+
+    block_size: int
+    window: int | None  # tokens; None = full attention
+    blocks: dict[Hashable, set[str | None]] = field(default_factory=dict)  # hash -> media
+
+
+@dataclass
+class _Engine:
+    groups: dict[int, _Group] = field(default_factory=dict)
+    lora_ids: dict[str, int] = field(default_factory=dict)  # lora_name -> lora_id seen
+
+
+def _event_dict(event: Any) -> dict[str, Any]:
+    """One event as a dict with its tag under ``"type"``: from a map, an array or a struct."""
+    if isinstance(event, dict):
+        return event
+    if isinstance(event, (list, tuple)):
+        if not event or event[0] not in _ARRAY_FIELDS:
+            raise ValueError(f"unknown KV event {event!r:.80}")
+        return {"type": event[0], **dict(zip(_ARRAY_FIELDS[event[0]], event[1:], strict=False))}
+    config = getattr(type(event), "__struct_config__", None)
+    if config is None or not isinstance(config.tag, str):
+        raise ValueError(f"unknown KV event {event!r:.80}")
+    return {"type": config.tag, **{f: getattr(event, f) for f in event.__struct_fields__}}
+
+
+def _batch_events(payload: Any) -> list[Any]:
+    """The events of a raw msgpack batch, a decoded ``[ts, events, rank]`` or a batch struct."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        import msgspec
+
+        try:
+            payload = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"not a msgpack KVEventBatch: {e}") from e
+    events = getattr(payload, "events", None)
+    if events is None and isinstance(payload, list | tuple) and len(payload) >= 2:
+        events = payload[1]
+    if not isinstance(events, list | tuple):
+        raise ValueError(f"not a KVEventBatch [ts, events, rank]: {payload!r:.80}")
+    return list(events)
+
+
+def _served_blocks(present: Mapping[int, tuple[_Group, list[bool]]]) -> int:
+    """The largest p such that every group serves a hit of p blocks (the core's rule)."""
+    num = min((len(flags) for _, flags in present.values()), default=0)
+    limit = num
+    sliding: list[tuple[int, list[bool]]] = []
+    for group, flags in present.values():
+        if group.window is None:
+            limit = min(limit, next((i for i in range(num) if not flags[i]), num))
+        else:
+            sliding.append((math.ceil(group.window / group.block_size), flags))
+    best = 0
+    last_gap = [-1] * len(sliding)
+    for i in range(limit):
+        served = True
+        for k, (window_blocks, flags) in enumerate(sliding):
+            if not flags[i]:
+                last_gap[k] = i
+            if last_gap[k] >= max(0, i + 1 - window_blocks):
+                served = False
+        if served:
+            best = i + 1
+    return best
+
+
+class KvIndexer:
+    """Which blocks each engine caches, from its KV events; predicts each engine's reuse.
+
+    Thread-safe: one lock guards every call (a :class:`ZmqEventSubscriber` applies from its
+    own thread while the router calls :meth:`match`).
+
+    Example:
+        >>> import kvcache
+        >>> from kvcache.events import ZmqEventPublisher
+        >>> from kvcache.router import KvIndexer
+        >>> config = kvcache.KvCacheConfig(tokens_per_block=4, backend="virtual",
+        ...                                event_buffer_max_size=1000,
+        ...                                enable_partial_reuse=False)
+        >>> model = kvcache.ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
+        >>> kv = kvcache.KVCacheManager.from_blocks(model, config, {64: 8}, max_seq_len=64,
+        ...                                         max_batch_size=2)
+        >>> pub = ZmqEventPublisher(kv, "inproc://doc-router")
+        >>> kv.add_sequence(1, list(range(13))); kv.remove_sequence(1)
+        0
+        >>> index = KvIndexer()
+        >>> index.apply("e0", pub.convert(kv.get_latest_events(0)))
+        >>> prompt = list(range(10)) + [99]
+        >>> index.match("e0", prompt), kv.get_reusable_prefix_length(prompt)
+        (8, 8)
+        >>> pub.close()
+    """
+
+    def __init__(self) -> None:
+        self._engines: dict[Hashable, _Engine] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def engines(self) -> list[Hashable]:
+        """The engines the index has heard of, in the order it first did."""
+        with self._lock:
+            return list(self._engines)
+
+    def apply(self, engine_id: Hashable, payload: Any) -> None:
+        """Applies one ``KVEventBatch`` of ``engine_id`` (registering the engine).
+
+        Args:
+            engine_id: Any hashable name of the engine.
+            payload: The raw msgpack bytes off the wire (map or array form), a decoded batch
+                (``[ts, events, rank]`` or a struct with ``events``), or a list of events
+                (maps, tagged arrays or msgspec structs, e.g. ``ZmqEventPublisher.convert``).
+
+        Raises:
+            ValueError: ``payload`` is not a batch, or holds an unknown event; nothing is
+                applied then.
+        """
+        if isinstance(payload, list) and (not payload or not isinstance(payload[0], float)):
+            events = payload
+        else:
+            events = _batch_events(payload)
+        parsed = [_event_dict(e) for e in events]  # all checked before any is applied
+        with self._lock:
+            engine = self._engines.setdefault(engine_id, _Engine())
+            for e in parsed:
+                self._apply_one(engine, e)
+
+    @staticmethod
+    def _apply_one(engine: _Engine, e: dict[str, Any]) -> None:
+        kind = e["type"]
+        if kind == "AllBlocksCleared":
+            for group in engine.groups.values():
+                group.blocks.clear()
+            return
+        group_idx = int(e.get("group_idx") or 0)
+        medium = e.get("medium")
+        if kind == "BlockStored":
+            sliding = e.get("kv_cache_spec_kind") == "sliding_window"
+            window = e.get("kv_cache_spec_sliding_window") if sliding else None
+            stored = engine.groups.setdefault(group_idx, _Group(int(e["block_size"]), window))
+            stored.block_size, stored.window = int(e["block_size"]), window
+            for h in e["block_hashes"]:
+                stored.blocks.setdefault(h, set()).add(medium)
+            if e.get("lora_name") is not None and e.get("lora_id") is not None:
+                engine.lora_ids[str(e["lora_name"])] = int(e["lora_id"])
+        elif kind == "BlockRemoved":
+            known = engine.groups.get(group_idx)
+            for h in e["block_hashes"]:
+                media = None if known is None else known.blocks.get(h)
+                if media is None:
+                    continue
+                media.discard(medium)
+                if not media or medium is None:
+                    del known.blocks[h]  # type: ignore[union-attr]
+        else:
+            raise ValueError(f"unknown KV event type {kind!r}")
+
+    def add_engine(self, engine_id: Hashable) -> None:
+        """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does)."""
+        with self._lock:
+            self._engines.setdefault(engine_id, _Engine())
+
+    def remove_engine(self, engine_id: Hashable) -> None:
+        """Forgets an engine (``KeyError`` if unknown)."""
+        with self._lock:
+            del self._engines[engine_id]
+
+    def num_blocks(self, engine_id: Hashable) -> dict[int, int]:
+        """Blocks the index holds per group of ``engine_id`` (``KeyError`` if unknown)."""
+        with self._lock:
+            return {g: len(group.blocks) for g, group in self._engines[engine_id].groups.items()}
+
+    def match(
+        self,
+        engine_id: Hashable,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+    ) -> int:
+        """Tokens of ``token_ids`` that ``engine_id`` would reuse, as the engine computes it.
+
+        Equals the engine's ``get_reusable_prefix_length(token_ids, lora_task_id=...,
+        cache_salt=..., multimodal=...)`` (without partial reuse) once every batch it
+        published has been applied. ``lora_name`` is resolved to the LoRA id the engine's
+        events paired it with (``ZmqEventPublisher(lora_names=...)``); an engine that never
+        published it has nothing for it (0). ``lora_id`` names the id directly.
+
+        Raises:
+            KeyError: An unknown engine.
+            ValueError: Both ``lora_name`` and ``lora_id``; a bad token or key.
+        """
+        tokens = list(token_ids)
+        key = _key_kwargs(lora_id, cache_salt, multimodal)  # validated before the lookup
+        if lora_name is not None and lora_id is not None:
+            raise ValueError("pass lora_name or lora_id, not both")
+        cache: dict[tuple[int, int | None], list[int]] = {}
+        with self._lock:
+            return self._match(self._engines[engine_id], tokens, lora_name, key, cache)
+
+    def _match(
+        self,
+        engine: _Engine,
+        tokens: list[int],
+        lora_name: str | None,
+        key: dict[str, Any],
+        cache: dict[tuple[int, int | None], list[int]],
+    ) -> int:
+        if len(tokens) <= 1 or not engine.groups:
+            return 0
+        lora = key["lora_task_id"]
+        if lora_name is not None:
+            if lora_name not in engine.lora_ids:
+                return 0
+            lora = engine.lora_ids[lora_name]
+        sizes = {group.block_size for group in engine.groups.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"the engine's groups have different block sizes {sorted(sizes)}")
+        (block_size,) = sizes
+        present: dict[int, tuple[_Group, list[bool]]] = {}
+        for g, group in engine.groups.items():
+            hashes = cache.get((block_size, lora))
+            if hashes is None:
+                hashes = cache[(block_size, lora)] = block_hashes(
+                    tokens[:-1],
+                    block_size,
+                    lora_task_id=lora,
+                    cache_salt=key["cache_salt"],
+                    multimodal=key["multimodal"],
+                )
+            present[g] = (group, [h in group.blocks for h in hashes])
+        return _served_blocks(present) * block_size
+
+    def best_engine(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+        load: Mapping[Hashable, float] | Callable[[Hashable], float] | None = None,
+        engines: Iterable[Hashable] | None = None,
+    ) -> tuple[Hashable, int]:
+        """The engine that would reuse the most of ``token_ids``, and how many tokens.
+
+        Ties (equal reuse, 0 included) go to the lowest ``load`` (a mapping or a function of
+        the engine id, e.g. running requests; engines missing from a mapping count as 0),
+        then to the engine heard of first. ``engines`` restricts the choice (default: every
+        engine of the index).
+
+        Raises:
+            ValueError: No engine to choose from; the arguments of :meth:`match`.
+        """
+        tokens = list(token_ids)
+        key = _key_kwargs(lora_id, cache_salt, multimodal)
+        if lora_name is not None and lora_id is not None:
+            raise ValueError("pass lora_name or lora_id, not both")
+        if load is None:
+            load_of: Callable[[Hashable], float] = lambda _e: 0.0  # noqa: E731
+        elif callable(load):
+            load_of = load
+        else:
+            load_of = lambda e: float(load.get(e, 0.0))  # noqa: E731
+        cache: dict[tuple[int, int | None], list[int]] = {}
+        with self._lock:
+            names = list(self._engines) if engines is None else list(engines)
+            scored = [
+                (self._match(self._engines[e], tokens, lora_name, key, cache), e) for e in names
+            ]
+        if not scored:
+            raise ValueError("best_engine: no engine to choose from")
+        order = {e: i for i, e in enumerate(names)}
+        tokens_hit, engine = max(scored, key=lambda s: (s[0], -load_of(s[1]), -order[s[1]]))
+        return engine, tokens_hit
+
+
+class ZmqEventSubscriber:
+    """Follows several engines' ZeroMQ KV event streams into a :class:`KvIndexer`.
+
+    One SUB socket per engine (connected to its PUB endpoint, ``topic`` prefix) and one
+    DEALER per replay endpoint. Batches are applied in sequence order; a gap (a batch the
+    SUB socket lost, the first batches before the subscription took effect) is filled from the
+    engine's replay socket first. When the replay cannot fill it (the engine's ring no longer
+    holds those batches, no replay endpoint, no complete answer within ``replay_timeout_s``),
+    the engine's blocks are cleared and the stream continues from there: the index may then
+    under-estimate that engine, never over-estimate it. Both replay answers are read: vLLM
+    0.32's ``[b"", topic, seq, payload]`` and the older ``[b"", seq, payload]``.
+
+    Drive it with :meth:`poll` from the router's loop, or :meth:`start` a background thread.
+
+    Args:
+        indexer: The index to feed.
+        engines: ``{engine_id: (endpoint, replay_endpoint or None)}``.
+        topic: Topic prefix to subscribe to.
+        replay_timeout_s: How long one replay may take before it counts as failed.
+    """
+
+    def __init__(
+        self,
+        indexer: KvIndexer,
+        engines: Mapping[Hashable, tuple[str, str | None]],
+        topic: str = "",
+        replay_timeout_s: float = 5.0,
+    ) -> None:
+        import zmq
+
+        if not isinstance(indexer, KvIndexer):
+            raise ValueError(f"indexer must be a KvIndexer, got {indexer!r:.60}")
+        if not engines:
+            raise ValueError("engines must name at least one engine")
+        if not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
+            raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s!r}")
+        self._zmq = zmq
+        self._indexer = indexer
+        self._timeout_ms = int(replay_timeout_s * 1000)
+        self._ctx: Any = zmq.Context.instance()
+        self._poller = zmq.Poller()
+        self._subs: dict[Any, Hashable] = {}
+        self._replay: dict[Hashable, str | None] = {}
+        self._last: dict[Hashable, int | None] = {}
+        self._gaps_lost = 0
+        self._replays = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        for engine_id, (endpoint, replay_endpoint) in engines.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+            sock.connect(endpoint)
+            self._subs[sock] = engine_id
+            self._poller.register(sock, zmq.POLLIN)
+            self._replay[engine_id] = replay_endpoint
+            self._last[engine_id] = None
+            indexer.add_engine(engine_id)
+
+    @property
+    def num_replays(self) -> int:
+        """Replay requests made (gaps and :meth:`catch_up`)."""
+        return self._replays
+
+    @property
+    def num_unrecoverable_gaps(self) -> int:
+        """Gaps replay could not fill (each cleared that engine's blocks)."""
+        return self._gaps_lost
+
+    def last_seq(self, engine_id: Hashable) -> int | None:
+        """The sequence number of the last batch applied for ``engine_id`` (``None``: none)."""
+        return self._last[engine_id]
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Applies every batch that arrives within ``timeout_ms``; returns how many."""
+        applied = 0
+        for sock, _ in self._poller.poll(timeout_ms):
+            while sock.poll(0):
+                _topic, seq, payload = sock.recv_multipart()
+                applied += self._on_batch(self._subs[sock], int.from_bytes(seq, "big"), payload)
+        return applied
+
+    def catch_up(self, engine_id: Hashable) -> int:
+        """Asks ``engine_id``'s replay socket for every batch after the last one applied (a
+        stream that went quiet may have lost its last batches); returns how many it applied."""
+        last = self._last[engine_id]
+        return self._fill(engine_id, 0 if last is None else last + 1, None)
+
+    def start(self) -> None:
+        """Polls in a background thread until :meth:`close`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvcache-router", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stops the thread and closes the sockets (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for sock in list(self._subs):
+            sock.close(linger=0)
+        self._subs.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll(10)
+            except Exception:  # pragma: no cover - logged; the loop goes on
+                _log.exception("kvcache router subscriber: a batch could not be applied")
+
+    def _on_batch(self, engine_id: Hashable, seq: int, payload: bytes) -> int:
+        last = self._last[engine_id]
+        if last is not None and seq <= last:
+            return 0  # already applied (from a replay)
+        applied = 0
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            applied += self._fill(engine_id, expected, seq)
+        self._indexer.apply(engine_id, payload)
+        self._last[engine_id] = seq
+        return applied + 1
+
+    def _fill(self, engine_id: Hashable, start: int, stop: int | None) -> int:
+        """Applies batches ``start`` .. ``stop - 1`` (``None``: all there are) from replay;
+        clears the engine when they cannot all be had. Returns how many it applied."""
+        batches = self._request_replay(engine_id, start)
+        got = [(s, p) for s, p in batches or [] if s >= start and (stop is None or s < stop)]
+        seqs = [s for s, _ in got]
+        wanted = seqs if stop is None else list(range(start, stop))
+        if batches is None or seqs != list(range(start, start + len(got))) or seqs != wanted:
+            # The ring no longer holds them (or no answer): forget what may be stale.
+            self._gaps_lost += 1
+            _log.warning(
+                "engine %r: batches from %d are lost; its blocks are cleared", engine_id, start
+            )
+            self._indexer.apply(engine_id, [{"type": "AllBlocksCleared"}])
+        for s, payload in got:  # after a clear, later batches can only add what is true
+            self._indexer.apply(engine_id, payload)
+            self._last[engine_id] = s
+        return len(got)
+
+    def _request_replay(self, engine_id: Hashable, start: int) -> list[tuple[int, bytes]] | None:
+        """Every (seq, payload) the engine's replay socket answers from ``start``, or
+        ``None`` without a replay endpoint or a complete answer (end marker) in time."""
+        endpoint = self._replay[engine_id]
+        if endpoint is None:
+            return None
+        zmq = self._zmq
+        self._replays += 1
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out: list[tuple[int, bytes]] = []
+            deadline = time.monotonic() + self._timeout_ms / 1000
+            while True:
+                left = int((deadline - time.monotonic()) * 1000)
+                if left <= 0 or not sock.poll(left):
+                    return None
+                frames = sock.recv_multipart()
+                seq, payload = frames[-2], frames[-1]  # with or without the topic frame
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    return out
+                out.append((int.from_bytes(seq, "big"), payload))
+        finally:
+            sock.close(linger=0)

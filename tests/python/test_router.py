@@ -1,0 +1,381 @@
+"""kvcache.router: an index fed by engines' KV events that predicts each engine's reuse."""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+import kvcache  # noqa: E402
+from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, OutOfBlocksError  # noqa: E402
+from kvcache.events import END_SEQ, ZmqEventPublisher  # noqa: E402
+from kvcache.router import KvIndexer, ZmqEventSubscriber  # noqa: E402
+
+MODEL = ModelConfig(num_layers=3, num_kv_heads=1, head_dim=4)
+TPB = 4
+SEED = 2026
+STEPS = 600
+
+
+def _manager(
+    blocks: dict[int, Any],
+    window: list[int | None] | None = None,
+    policy: str = "placeholder",
+    disk: Path | None = None,
+) -> KVCacheManager:
+    tier: dict[str, Any] = {}
+    if disk is not None:  # sizes only validated: from_blocks takes exact counts
+        tier = {"disk_cache_dir": str(disk), "host_cache_size": 1, "disk_cache_size": 1}
+    config = KvCacheConfig(
+        tokens_per_block=TPB,
+        max_attention_window=window,
+        backend="host",
+        event_buffer_max_size=100_000,
+        enable_partial_reuse=False,
+        swa_reuse_policy=policy,
+        **tier,
+    )
+    return KVCacheManager.from_blocks(MODEL, config, blocks, max_seq_len=64, max_batch_size=4)
+
+
+def _stored(group: int, hashes: list[int], window: int | None = None) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [0] * (TPB * len(hashes)),
+        "block_size": TPB,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": group,
+        "kv_cache_spec_kind": "full_attention" if window is None else "sliding_window",
+        "kv_cache_spec_sliding_window": window,
+    }
+
+
+def test_block_hashes_are_the_hashes_events_carry() -> None:
+    kv = _manager({64: 8})
+    pub = ZmqEventPublisher(kv, "inproc://rt-hashes")
+    prompt = list(range(100, 113))
+    image = (b"cat", 2, 3)
+    kv.add_sequence(1, prompt, lora_task_id=5, cache_salt="s", multimodal=[image])
+    kv.remove_sequence(1)
+    (stored,) = pub.convert(kv.get_latest_events())
+    pub.close()
+    want = kvcache.block_hashes(
+        prompt[:12], TPB, lora_task_id=5, cache_salt="s", multimodal=[image]
+    )
+    assert stored.block_hashes == want and len(want) == 3
+    # Only full blocks; each extra key changes the chain.
+    assert (
+        kvcache.block_hashes(prompt, TPB, lora_task_id=5, cache_salt="s", multimodal=[image])
+        == want
+    )
+    assert kvcache.block_hashes(prompt[:12], TPB, lora_task_id=5, cache_salt="s")[0] != want[0]
+    assert kvcache.block_hashes(prompt[:12], TPB, lora_task_id=5)[0] != want[0]
+    assert kvcache.block_hashes(prompt[:3], TPB) == []
+    with pytest.raises(ValueError, match="tokens_per_block = 0 is out of range"):
+        kvcache.block_hashes(prompt, 0)
+    with pytest.raises(ValueError, match=r"tokens\[1\] is negative"):
+        kvcache.block_hashes([1, -2], 1)
+    with pytest.raises(ValueError, match="lora_task_id must be an int"):
+        kvcache.block_hashes(prompt, TPB, lora_task_id="x")  # type: ignore[arg-type]
+
+
+def test_the_sliding_window_rule_from_events() -> None:
+    # Group 0: a window of 8 tokens (2 blocks); group 1: full attention. A 25-token prompt is
+    # keyed on 24 tokens: 6 blocks h0..h5.
+    prompt = list(range(25))
+    h = kvcache.block_hashes(prompt[:24], TPB)
+    index = KvIndexer()
+    index.apply("e", [_stored(1, h), _stored(0, h[3:], window=8)])
+    assert index.match("e", prompt) == 24  # the window needs only blocks 4, 5
+    assert index.match("e", prompt[:21]) == 20  # blocks 3, 4
+    assert index.match("e", prompt[:17]) == 0  # 16 tokens need blocks 2, 3: 2 is gone
+    index.apply(
+        "e", [{"type": "BlockRemoved", "block_hashes": [h[4]], "medium": "GPU", "group_idx": 0}]
+    )
+    assert index.match("e", prompt) == 0  # every hit point now lacks a block of its window
+    index.apply(
+        "e", [{"type": "BlockRemoved", "block_hashes": [h[2]], "medium": "GPU", "group_idx": 1}]
+    )
+    index.apply("e", [_stored(0, h)])  # the window holds everything again
+    assert index.match("e", prompt) == 8  # the full-attention group stops at block 2
+    # A window of 9 tokens needs 3 blocks before the hit point.
+    nine = KvIndexer()
+    nine.apply("e", [_stored(1, h), _stored(0, h[3:], window=9)])
+    assert nine.match("e", prompt) == 24 and nine.match("e", prompt[:21]) == 0
+    # Two windows: each constrains the hit on its own.
+    two = KvIndexer()
+    two.apply("e", [_stored(0, h[4:], window=8), _stored(1, h[2:], window=16), _stored(2, h)])
+    assert two.match("e", prompt) == 24 and two.match("e", prompt[:21]) == 0
+    # The last prompt token is never reused; 0 or 1 tokens reuse nothing.
+    assert index.match("e", []) == 0 and index.match("e", [0]) == 0
+
+
+def test_a_block_counts_in_any_medium_until_its_last_copy_goes() -> None:
+    prompt = list(range(9))
+    h = kvcache.block_hashes(prompt[:8], TPB)
+    index = KvIndexer()
+    index.apply("e", [_stored(0, h)])
+    host = dict(_stored(0, h[1:]), medium="CPU")
+    index.apply("e", [host])  # a second copy of block 1, in host memory
+    removed = {"type": "BlockRemoved", "block_hashes": [h[1]], "medium": "GPU", "group_idx": 0}
+    index.apply("e", [removed])
+    assert index.match("e", prompt) == 8  # still in host memory
+    index.apply("e", [dict(removed, medium="CPU")])
+    assert index.match("e", prompt) == 4
+    index.apply("e", [{"type": "AllBlocksCleared"}])
+    assert index.match("e", prompt) == 0 and index.num_blocks("e") == {0: 0}
+
+
+def test_apply_takes_both_wire_forms_raw_or_decoded() -> None:
+    kv = _manager({8: 8, 64: 8}, window=[8, None])
+    pubs = [
+        ZmqEventPublisher(kv, "inproc://rt-map", "inproc://rt-map-r"),
+        ZmqEventPublisher(kv, "inproc://rt-arr", "inproc://rt-arr-r", event_format="array"),
+    ]
+    prompt = list(range(50, 67))
+    kv.add_sequence(1, prompt)
+    kv.remove_sequence(1)
+    events = kv.get_latest_events()
+    payloads = []
+    for pub in pubs:
+        batch = pub._schema.KVEventBatch(ts=1.0, events=pub.convert(events))
+        payloads.append(msgspec.msgpack.encode(batch))
+        pub.close()
+    assert isinstance(msgspec.msgpack.decode(payloads[0])[1][0], dict)
+    assert isinstance(msgspec.msgpack.decode(payloads[1])[1][0], list)
+    want = kv.get_reusable_prefix_length(prompt)
+    assert want == 16
+    for payload in (*payloads, msgspec.msgpack.decode(payloads[0])):
+        index = KvIndexer()
+        index.apply("e", payload)
+        assert index.match("e", prompt) == want
+        assert index.num_blocks("e") == {0: 4, 1: 4}
+    # A bad payload raises and applies nothing.
+    index = KvIndexer()
+    index.apply("e", payloads[0])
+    bad = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}, ["Bogus", 1]], None])
+    with pytest.raises(ValueError, match="unknown KV event"):
+        index.apply("e", bad)
+    with pytest.raises(ValueError, match="not a msgpack KVEventBatch"):
+        index.apply("e", b"\xc1")
+    assert index.match("e", prompt) == want
+
+
+def test_lora_and_cache_salt() -> None:
+    kv = _manager({64: 16})
+    pub = ZmqEventPublisher(kv, "inproc://rt-lora", lora_names={5: "sql"})
+    prompt = list(range(13))
+    kv.add_sequence(1, prompt, lora_task_id=5)
+    kv.remove_sequence(1)
+    kv.add_sequence(2, prompt, cache_salt="tenant-a")
+    kv.remove_sequence(2)
+    index = KvIndexer()
+    index.apply("e", pub.convert(kv.get_latest_events()))
+    pub.close()
+    cases: list[tuple[dict[str, Any], dict[str, Any], int]] = [
+        ({}, {}, 0),
+        ({"lora_name": "sql"}, {"lora_task_id": 5}, 12),
+        ({"lora_id": 5}, {"lora_task_id": 5}, 12),
+        ({"lora_id": 6}, {"lora_task_id": 6}, 0),
+        ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}, 12),
+        ({"cache_salt": "tenant-b"}, {"cache_salt": "tenant-b"}, 0),
+    ]
+    for router_kw, engine_kw, want in cases:
+        assert index.match("e", prompt, **router_kw) == want
+        assert kv.get_reusable_prefix_length(prompt, **engine_kw) == want
+    assert index.match("e", prompt, lora_name="unknown") == 0
+    with pytest.raises(ValueError, match="not both"):
+        index.match("e", prompt, lora_name="sql", lora_id=5)
+
+
+def test_best_engine_breaks_ties_on_load() -> None:
+    prompt = list(range(13))
+    h = kvcache.block_hashes(prompt[:12], TPB)
+    index = KvIndexer()
+    index.apply("a", [_stored(0, h[:2])])
+    index.apply("b", [_stored(0, h[:3])])
+    index.apply("c", [_stored(0, h[:3])])
+    assert index.engines == ["a", "b", "c"]
+    assert index.best_engine(prompt) == ("b", 12)  # equal hits, equal load: first heard of
+    assert index.best_engine(prompt, load={"b": 3, "c": 1}) == ("c", 12)
+    assert index.best_engine(prompt, load=lambda e: {"b": 1, "c": 2}.get(e, 0)) == ("b", 12)
+    assert index.best_engine(prompt, engines=["a"]) == ("a", 8)
+    # No hit anywhere: the least loaded engine.
+    assert index.best_engine([7, 7, 7, 7, 7], load={"a": 2, "b": 1, "c": 2}) == ("b", 0)
+    index.remove_engine("b")
+    assert index.best_engine(prompt, load={"c": 5}) == ("c", 12)
+    with pytest.raises(KeyError):
+        index.remove_engine("b")
+    with pytest.raises(KeyError):
+        index.match("b", prompt)
+    with pytest.raises(ValueError, match="no engine"):
+        KvIndexer().best_engine(prompt)
+
+
+def _last(sub: ZmqEventSubscriber, engine: str) -> int:
+    last = sub.last_seq(engine)
+    return -1 if last is None else last
+
+
+def _sync(sub: ZmqEventSubscriber, pubs: dict[str, ZmqEventPublisher]) -> None:
+    """Polls until the subscriber has applied every batch each publisher sent."""
+    deadline = time.monotonic() + 20
+    for engine, pub in pubs.items():
+        target = pub.next_seq - 1
+        tries = 0
+        while target >= 0 and _last(sub, engine) < target:
+            assert time.monotonic() < deadline, f"{engine} stuck at {sub.last_seq(engine)}"
+            if sub.poll(20) == 0:
+                tries += 1
+                if tries % 5 == 0:  # the stream went quiet: its last batches were lost
+                    sub.catch_up(engine)
+
+
+def test_randomized_workload_match_equals_each_engines_rule(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    engines = {
+        "a": _manager({8: (5, 3, 4), 64: (12, 6, 6)}, window=[8, None], disk=tmp_path),
+        "b": _manager({8: (6, 2), 16: (6, 2), 64: (12, 4)}, window=[8, 16, None]),
+        "c": _manager({6: (8, 4), 10: (8, 4)}, window=[6, 10], policy="invalidate"),
+    }
+    pubs = {
+        name: ZmqEventPublisher(kv, f"inproc://rt-{name}", f"inproc://rt-{name}-r", topic="kv")
+        for name, kv in engines.items()
+    }
+    media: collections.Counter[str] = collections.Counter()
+
+    class CountingIndexer(KvIndexer):
+        """Tallies the media of the stored blocks it applies."""
+
+        def apply(self, engine_id: Any, payload: Any) -> None:
+            super().apply(engine_id, payload)
+            for e in msgspec.msgpack.decode(payload)[1] if isinstance(payload, bytes) else []:
+                if e["type"] == "BlockStored":
+                    media[e["medium"]] += len(e["block_hashes"])
+
+    index = CountingIndexer()
+    sub = ZmqEventSubscriber(
+        index, {n: (f"inproc://rt-{n}", f"inproc://rt-{n}-r") for n in engines}, topic="kv"
+    )
+    bases = [[rng.randrange(1000) for _ in range(28)] for _ in range(4)]
+    keys: list[dict[str, Any]] = [{}, {"lora_task_id": 3}, {"cache_salt": "x"}]
+    live: dict[str, dict[int, int]] = {n: {} for n in engines}  # request -> tokens left
+    next_id = 0
+    probes = hits = 0
+    try:
+        for _ in range(STEPS):
+            name = rng.choice(list(engines))
+            kv = engines[name]
+            op = rng.random()
+            if op < 0.35 and len(live[name]) < 2:
+                base = rng.choice(bases)
+                prompt = base[: rng.randrange(2, 24)] + [
+                    rng.randrange(1000) for _ in range(rng.randrange(3))
+                ]
+                try:
+                    kv.add_sequence(next_id, prompt, **rng.choice(keys))
+                    live[name][next_id] = rng.randrange(1, 12)
+                except OutOfBlocksError:
+                    pass
+                next_id += 1
+            elif op < 0.75 and live[name]:
+                rid = rng.choice(list(live[name]))
+                try:
+                    for _ in range(rng.randrange(1, 5)):
+                        kv.add_token(rid, rng.choice([rng.randrange(1000), bases[0][0]]))
+                        live[name][rid] -= 1
+                except OutOfBlocksError:
+                    live[name][rid] = 0
+                if live[name][rid] <= 0 or kv.num_tokens(rid) > 40:
+                    kv.remove_sequence(rid)
+                    del live[name][rid]
+                elif rng.random() < 0.3:
+                    kv.store_context_blocks(rid)
+            elif live[name]:
+                rid = rng.choice(list(live[name]))
+                kv.remove_sequence(rid)
+                del live[name][rid]
+            for pub in pubs.values():
+                pub.publish()
+            _sync(sub, pubs)
+            for probe_engine, probe_kv in engines.items():
+                for _ in range(4):
+                    key = rng.choice(keys)
+                    prompt = rng.choice(bases)[: rng.randrange(1, 29)]
+                    want = probe_kv.get_reusable_prefix_length(prompt, **key)
+                    router_key = {
+                        "lora_id": key.get("lora_task_id"),
+                        "cache_salt": key.get("cache_salt"),
+                    }
+                    got = index.match(probe_engine, prompt, **router_key)
+                    assert got == want, (probe_engine, prompt, key, got, want)
+                    probes += 1
+                    hits += want > 0
+        stats = {n: kv.get_kv_cache_stats() for n, kv in engines.items()}
+    finally:
+        sub.close()
+        for pub in pubs.values():
+            pub.close()
+    # The workload reached what it is meant to exercise.
+    assert probes == STEPS * 3 * 4 and hits > STEPS
+    assert all(s.offloaded_blocks > 0 and s.onboarded_blocks > 0 for s in stats.values())
+    assert media["DISK"] > 0 and media["CPU"] > 0  # blocks in every tier were matched
+    assert sub.num_unrecoverable_gaps == 0
+
+
+def _flush(pub: ZmqEventPublisher) -> None:
+    """Returns once the publisher's thread has sent every batch published so far (it sends
+    them all before it answers a replay request)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(pub.replay_endpoint)
+    sock.send_multipart([b"", (2**62).to_bytes(8, "big")])
+    assert sock.poll(20_000)
+    assert sock.recv_multipart()[2] == END_SEQ
+    sock.close(linger=0)
+
+
+def test_subscriber_fills_gaps_from_replay_and_clears_what_it_cannot() -> None:
+    kv = _manager({64: 64})
+    pub = ZmqEventPublisher(kv, "inproc://rt-gap", "inproc://rt-gap-r", buffer_steps=4)
+    prompts = [[1000 * r + t for t in range(9)] for r in range(8)]
+    for r in range(3):  # nobody listens yet
+        kv.add_sequence(r, prompts[r])
+        kv.remove_sequence(r)
+        pub.publish()
+    _flush(pub)  # sent to nobody
+    index = KvIndexer()
+    sub = ZmqEventSubscriber(index, {"e": ("inproc://rt-gap", "inproc://rt-gap-r")})
+    try:
+        _sync(sub, {"e": pub})
+        assert sub.last_seq("e") == 2 and sub.num_unrecoverable_gaps == 0
+        assert sub.num_replays >= 1  # everything came from replay
+        assert [index.match("e", p) for p in prompts[:3]] == [8, 8, 8]
+        # A subscriber that misses more than the ring holds: the engine is cleared, and the
+        # index under-estimates it from then on (never over-estimates).
+        for r in range(3, 8):
+            kv.add_sequence(r, prompts[r])
+            kv.remove_sequence(r)
+            pub.publish()
+        _flush(pub)
+        late = KvIndexer()
+        late_sub = ZmqEventSubscriber(late, {"e": ("inproc://rt-gap", "inproc://rt-gap-r")})
+        _sync(late_sub, {"e": pub})
+        assert late_sub.num_unrecoverable_gaps == 1 and late_sub.last_seq("e") == 7
+        got = [late.match("e", p) for p in prompts]
+        assert got == [0, 0, 0, 0, 8, 8, 8, 8]  # batches 4-7 from the ring of 4
+        assert all(kv.get_reusable_prefix_length(p) == 8 for p in prompts)
+        late_sub.close()
+    finally:
+        sub.close()
+        pub.close()
