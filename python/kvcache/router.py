@@ -22,8 +22,9 @@ engine's reuse tree reaches it.
 The index knows an engine's groups from its events (``group_idx``, ``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, ``block_size`` of ``BlockStored``); a group it never heard
 of cannot constrain the answer. With ``enable_partial_reuse=True`` an engine may also reuse
-part of the next block: its answer is then at most ``block_size - 1`` tokens above ``match``
-(and never below it).
+part of the next block: its answer is then at most ``block_size`` tokens above ``match``
+(and never below it), because the core then also takes part of a block (or, where the
+window rule stopped the hit, that whole next block) after the prefix.
 """
 
 from __future__ import annotations
@@ -360,7 +361,9 @@ class ZmqEventSubscriber:
     under-estimate that engine, never over-estimate it. Both replay answers are read: vLLM
     0.32's ``[b"", topic, seq, payload]`` and the older ``[b"", seq, payload]``.
 
-    Drive it with :meth:`poll` from the router's loop, or :meth:`start` a background thread.
+    Drive it with :meth:`poll` (and :meth:`catch_up`) from one thread, the router's loop, or
+    :meth:`start` a background thread that does it; not both. The indexer may be queried from
+    any thread meanwhile.
 
     Args:
         indexer: The index to feed.
@@ -378,10 +381,20 @@ class ZmqEventSubscriber:
     ) -> None:
         import zmq
 
+        from kvcache.events import _check_endpoint
+
         if not isinstance(indexer, KvIndexer):
             raise ValueError(f"indexer must be a KvIndexer, got {indexer!r:.60}")
         if not engines:
             raise ValueError("engines must name at least one engine")
+        for engine_id, ends in engines.items():
+            if not isinstance(ends, tuple | list) or len(ends) != 2:
+                raise ValueError(
+                    f"engine {engine_id!r}: expected (endpoint, replay_endpoint), got {ends!r}"
+                )
+            _check_endpoint("endpoint", ends[0])
+            if ends[1] is not None:
+                _check_endpoint("replay_endpoint", ends[1])
         if not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s!r}")
         self._zmq = zmq

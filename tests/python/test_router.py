@@ -379,3 +379,18 @@ def test_subscriber_fills_gaps_from_replay_and_clears_what_it_cannot() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+def test_subscriber_bad_arguments() -> None:
+    index = KvIndexer()
+    for engines, match in (
+        ({}, "at least one engine"),
+        ({"e": "tcp://x:1"}, "expected \\(endpoint, replay_endpoint\\)"),
+        ({"e": ("garbage", None)}, "endpoint must be a ZeroMQ address"),
+        ({"e": ("inproc://x", "garbage")}, "replay_endpoint must be a ZeroMQ address"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ZmqEventSubscriber(index, engines)
+    with pytest.raises(ValueError, match="replay_timeout_s"):
+        ZmqEventSubscriber(index, {"e": ("inproc://x", None)}, replay_timeout_s=0)
+    assert index.engines == []  # nothing registered by a failed construction
