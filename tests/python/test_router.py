@@ -195,6 +195,16 @@ def test_lora_and_cache_salt() -> None:
         assert index.match("e", prompt, **router_kw) == want
         assert kv.get_reusable_prefix_length(prompt, **engine_kw) == want
     assert index.match("e", prompt, lora_name="unknown") == 0
+    # Multimodal items are part of the keys too.
+    image = (b"img", 5, 3)  # positions 5-7: blocks 1 and 2 carry it
+    kv.add_sequence(3, prompt, multimodal=[image])
+    kv.remove_sequence(3)
+    with ZmqEventPublisher(kv, "inproc://rt-mm") as mm_pub:
+        index.apply("e", mm_pub.convert(kv.get_latest_events()))
+    # Block 0 holds no item, so every prompt shares it; block 1 differs from there on.
+    for items, want in (([image], 12), ([(b"other", 5, 3)], 4), ([(b"img", 4, 3)], 4), ([], 4)):
+        assert index.match("e", prompt, multimodal=items) == want
+        assert kv.get_reusable_prefix_length(prompt, multimodal=items) == want
     with pytest.raises(ValueError, match="not both"):
         index.match("e", prompt, lora_name="sql", lora_id=5)
 
