@@ -370,6 +370,8 @@ class ZmqEventSubscriber:
         engines: ``{engine_id: (endpoint, replay_endpoint or None)}``.
         topic: Topic prefix to subscribe to.
         replay_timeout_s: How long one replay may take before it counts as failed.
+        catch_up_s: The background thread (:meth:`start`) calls :meth:`catch_up` on every
+            engine after this many seconds without a batch.
     """
 
     def __init__(
@@ -378,6 +380,7 @@ class ZmqEventSubscriber:
         engines: Mapping[Hashable, tuple[str, str | None]],
         topic: str = "",
         replay_timeout_s: float = 5.0,
+        catch_up_s: float = 1.0,
     ) -> None:
         import zmq
 
@@ -397,6 +400,9 @@ class ZmqEventSubscriber:
                 _check_endpoint("replay_endpoint", ends[1])
         if not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s!r}")
+        if not isinstance(catch_up_s, int | float) or catch_up_s <= 0:
+            raise ValueError(f"catch_up_s must be > 0, got {catch_up_s!r}")
+        self._catch_up_s = float(catch_up_s)
         self._zmq = zmq
         self._indexer = indexer
         self._timeout_ms = int(replay_timeout_s * 1000)
@@ -466,9 +472,17 @@ class ZmqEventSubscriber:
         self._subs.clear()
 
     def _loop(self) -> None:
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
             try:
-                self.poll(10)
+                if self.poll(10):
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= self._catch_up_s:
+                    # A quiet stream may have lost its last batches: ask every replay socket.
+                    for engine_id in self._replay:
+                        if self._replay[engine_id] is not None:
+                            self.catch_up(engine_id)
+                    quiet_since = time.monotonic()
             except Exception:  # pragma: no cover - logged; the loop goes on
                 _log.exception("kvcache router subscriber: a batch could not be applied")
 

@@ -404,3 +404,26 @@ def test_subscriber_bad_arguments() -> None:
     with pytest.raises(ValueError, match="replay_timeout_s"):
         ZmqEventSubscriber(index, {"e": ("inproc://x", None)}, replay_timeout_s=0)
     assert index.engines == []  # nothing registered by a failed construction
+
+
+def test_a_background_subscriber_catches_up_with_a_quiet_stream() -> None:
+    kv = _manager({8: 8, 64: 16}, window=[8, None])
+    pub = ZmqEventPublisher(kv, "inproc://rt-bg", "inproc://rt-bg-r")
+    prompt = list(range(300, 321))
+    kv.add_sequence(1, prompt)
+    kv.remove_sequence(1)
+    pub.publish()
+    _flush(pub)  # sent before anyone subscribed, and nothing follows it
+    index = KvIndexer()
+    sub = ZmqEventSubscriber(index, {"e": ("inproc://rt-bg", "inproc://rt-bg-r")}, catch_up_s=0.2)
+    sub.start()
+    try:
+        deadline = time.monotonic() + 20
+        while index.match("e", prompt) != 20:  # the thread asks the replay socket
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert kv.get_reusable_prefix_length(prompt) == 20
+        assert sub.last_seq("e") == 0 and sub.num_replays >= 1
+    finally:
+        sub.close()
+        pub.close()
