@@ -187,10 +187,13 @@ class KvIndexer:
             ValueError: ``payload`` is not a batch, or holds an unknown event; nothing is
                 applied then.
         """
-        if isinstance(payload, list) and (not payload or not isinstance(payload[0], float)):
-            events = payload
-        else:
-            events = _batch_events(payload)
+        is_batch = (
+            isinstance(payload, list | tuple)
+            and len(payload) in (2, 3)
+            and isinstance(payload[0], int | float)
+            and not isinstance(payload[0], bool)
+        )
+        events = payload if isinstance(payload, list) and not is_batch else _batch_events(payload)
         parsed = [_event_dict(e) for e in events]  # all checked before any is applied
         with self._lock:
             engine = self._engines.setdefault(engine_id, _Engine())
