@@ -630,9 +630,22 @@ class ZmqEventPublisher:
             self._failure = e
             _log.exception("kvcache ZMQ event publisher failed")
         finally:
-            self._pub.close(linger=1000)
-            if self._replay is not None:
-                self._replay.close(linger=1000)
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Closes both sockets, unbinding first: ZeroMQ frees a bound address only when its
+        reaper gets to the closed socket, so without the unbind binding it again right after
+        :meth:`close` (a restarted publisher) could fail with "Address already in use"."""
+        sockets = [(self._pub, self._endpoint, _binds(self._endpoint))]
+        if self._replay is not None and self._replay_endpoint is not None:
+            sockets.append((self._replay, self._replay_endpoint, True))
+        for sock, endpoint, bound in sockets:
+            if bound:
+                try:
+                    sock.unbind(endpoint)
+                except Exception:  # pragma: no cover - closing anyway
+                    pass
+            sock.close(linger=1000)
 
     def _drain(self, buffer: collections.deque[tuple[int, bytes]]) -> None:
         """Sends every queued batch on the PUB socket; sets ``_stop`` at the sentinel."""
