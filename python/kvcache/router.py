@@ -96,6 +96,32 @@ def _event_dict(event: Any) -> dict[str, Any]:
     return {"type": config.tag, **{f: getattr(event, f) for f in event.__struct_fields__}}
 
 
+def _checked(event: Any) -> dict[str, Any]:
+    """:func:`_event_dict`, with every field :meth:`KvIndexer.apply` reads checked, so a
+    batch is applied whole or not at all."""
+    e = _event_dict(event)
+    kind = e.get("type")
+    if kind not in _ARRAY_FIELDS:
+        raise ValueError(f"unknown KV event type {kind!r}")
+    if kind == "AllBlocksCleared":
+        return e
+    hashes = e.get("block_hashes")
+    if not isinstance(hashes, list | tuple) or not all(isinstance(h, int | bytes) for h in hashes):
+        raise ValueError(f"{kind}: block_hashes must be a list of ints or bytes")
+    group = e.get("group_idx")
+    if group is not None and (not isinstance(group, int) or group < 0):
+        raise ValueError(f"{kind}: group_idx must be an int >= 0 or None, got {group!r}")
+    if kind == "BlockStored":
+        size = e.get("block_size")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"BlockStored: block_size must be an int >= 1, got {size!r}")
+        window = e.get("kv_cache_spec_sliding_window")
+        sliding = e.get("kv_cache_spec_kind") == "sliding_window"
+        if sliding and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"BlockStored: a sliding window needs its size, got {window!r}")
+    return e
+
+
 def _batch_events(payload: Any) -> list[Any]:
     """The events of a raw msgpack batch, a decoded ``[ts, events, rank]`` or a batch struct."""
     if isinstance(payload, bytes | bytearray | memoryview):
@@ -194,7 +220,7 @@ class KvIndexer:
             and not isinstance(payload[0], bool)
         )
         events = payload if isinstance(payload, list) and not is_batch else _batch_events(payload)
-        parsed = [_event_dict(e) for e in events]  # all checked before any is applied
+        parsed = [_checked(e) for e in events]  # all checked before any is applied
         with self._lock:
             engine = self._engines.setdefault(engine_id, _Engine())
             for e in parsed:
@@ -227,8 +253,6 @@ class KvIndexer:
                 media.discard(medium)
                 if not media or medium is None:
                     del known.blocks[h]  # type: ignore[union-attr]
-        else:
-            raise ValueError(f"unknown KV event type {kind!r}")
 
     def add_engine(self, engine_id: Hashable) -> None:
         """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does)."""

@@ -165,9 +165,17 @@ def test_apply_takes_both_wire_forms_raw_or_decoded() -> None:
     # A bad payload raises and applies nothing.
     index = KvIndexer()
     index.apply("e", payloads[0])
-    bad = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}, ["Bogus", 1]], None])
-    with pytest.raises(ValueError, match="unknown KV event"):
-        index.apply("e", bad)
+    cleared = {"type": "AllBlocksCleared"}
+    for events, match in (
+        ([cleared, ["Bogus", 1]], "unknown KV event"),
+        ([cleared, {"type": "Bogus"}], "unknown KV event type 'Bogus'"),
+        ([cleared, {"type": "BlockRemoved", "block_hashes": [[1]]}], "block_hashes must be"),
+        ([cleared, dict(_stored(0, [1]), block_size=0)], "block_size must be an int >= 1"),
+        ([cleared, dict(_stored(0, [1], 8), kv_cache_spec_sliding_window=None)], "needs its size"),
+        ([cleared, dict(_stored(0, [1]), group_idx=-1)], "group_idx must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            index.apply("e", msgspec.msgpack.encode([1.0, events, None]))
     with pytest.raises(ValueError, match="not a msgpack KVEventBatch"):
         index.apply("e", b"\xc1")
     assert index.match("e", prompt) == want
