@@ -460,7 +460,8 @@ class ZmqEventSubscriber:
 
     @property
     def num_unrecoverable_gaps(self) -> int:
-        """Gaps replay could not fill (each cleared that engine's blocks)."""
+        """Gaps replay could not fill and batches the index rejected (each cleared that
+        engine's blocks)."""
         return self._gaps_lost
 
     def last_seq(self, engine_id: Hashable) -> int | None:
@@ -472,8 +473,15 @@ class ZmqEventSubscriber:
         applied = 0
         for sock, _ in self._poller.poll(timeout_ms):
             while sock.poll(0):
-                _topic, seq, payload = sock.recv_multipart()
-                applied += self._on_batch(self._subs[sock], int.from_bytes(seq, "big"), payload)
+                frames = sock.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    _log.warning(
+                        "ignoring a message of %d frames (not [topic, seq, payload])", len(frames)
+                    )
+                    continue
+                applied += self._on_batch(
+                    self._subs[sock], int.from_bytes(frames[1], "big"), frames[2]
+                )
         return applied
 
     def catch_up(self, engine_id: Hashable) -> int:
@@ -521,9 +529,21 @@ class ZmqEventSubscriber:
         expected = 0 if last is None else last + 1
         if seq > expected:
             applied += self._fill(engine_id, expected, seq)
-        self._indexer.apply(engine_id, payload)
-        self._last[engine_id] = seq
+        self._apply(engine_id, seq, payload)
         return applied + 1
+
+    def _apply(self, engine_id: Hashable, seq: int, payload: bytes) -> None:
+        """Applies one batch; one the index rejects leaves the engine's state unknown, so its
+        blocks are cleared (counted as a lost gap) and the stream goes on after it."""
+        try:
+            self._indexer.apply(engine_id, payload)
+        except ValueError as e:
+            self._gaps_lost += 1
+            _log.warning(
+                "engine %r: batch %d rejected (%s); its blocks are cleared", engine_id, seq, e
+            )
+            self._indexer.apply(engine_id, [{"type": "AllBlocksCleared"}])
+        self._last[engine_id] = seq
 
     def _fill(self, engine_id: Hashable, start: int, stop: int | None) -> int:
         """Applies batches ``start`` .. ``stop - 1`` (``None``: all there are) from replay;
@@ -540,8 +560,7 @@ class ZmqEventSubscriber:
             )
             self._indexer.apply(engine_id, [{"type": "AllBlocksCleared"}])
         for s, payload in got:  # after a clear, later batches can only add what is true
-            self._indexer.apply(engine_id, payload)
-            self._last[engine_id] = s
+            self._apply(engine_id, s, payload)
         return len(got)
 
     def _request_replay(self, engine_id: Hashable, start: int) -> list[tuple[int, bytes]] | None:

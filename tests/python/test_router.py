@@ -451,3 +451,32 @@ def test_a_background_subscriber_catches_up_with_a_quiet_stream() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_rejected_batch_clears_its_engine_and_the_stream_goes_on() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://rt-raw")
+    index = KvIndexer()
+    sub = ZmqEventSubscriber(index, {"e": ("inproc://rt-raw", None)})
+    try:
+        h = kvcache.block_hashes(list(range(8)), TPB)
+        good = msgspec.msgpack.encode([1.0, [_stored(0, h)], None])
+        bad = msgspec.msgpack.encode([1.0, [{"type": "Bogus"}], None])
+        deadline = time.monotonic() + 20
+        while sub.last_seq("e") is None:  # the slow joiner: resend batch 0 until it arrives
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
+            sub.poll(20)
+        assert index.match("e", list(range(9))) == 8
+        pub.send_multipart([b"", b"short"])  # malformed: ignored
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), bad])
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), good])
+        while sub.last_seq("e") != 2:
+            assert time.monotonic() < deadline
+            sub.poll(20)
+        assert sub.num_unrecoverable_gaps == 1
+        assert index.match("e", list(range(9))) == 8  # cleared at batch 1, stored again at 2
+    finally:
+        sub.close()
+        pub.close(linger=0)
