@@ -77,9 +77,11 @@ class FleetReport:
 
     ``cache_hit_rate`` is the fleet's block hit rate (reused blocks over blocks looked up,
     all engines together; ``None`` when nothing was looked up); ``reused_tokens`` and
-    ``context_tokens`` sum the engines'. ``load_imbalance`` is max over mean of the engines'
-    running requests, averaged over the steps in which any engine ran (1.0 is perfect
-    balance, ``N`` is one engine doing all the work). ``steps`` counts those steps.
+    ``context_tokens`` sum the engines'. ``assigned`` counts the requests routed to each
+    engine, ``placement`` maps each request id to its engine. ``load_imbalance`` is max
+    over mean of the engines' running requests, averaged over the steps in which any engine
+    ran (1.0 is perfect balance, ``N`` is one engine doing all the work). ``steps`` counts
+    those steps.
 
     For the ``kv`` router, ``predicted_tokens`` sums the prompt tokens the router predicted
     each request would reuse on the engine it chose, and ``found_tokens`` what those requests
@@ -94,6 +96,7 @@ class FleetReport:
     num_engines: int
     engines: list[SimulationReport]
     assigned: list[int]
+    placement: dict[int, int]
     requests: int
     completed: int
     rejected: int
@@ -286,6 +289,7 @@ def simulate_fleet(
 @dataclass
 class _Run:
     assigned: list[int]
+    placement: dict[int, int]
     predicted: dict[int, tuple[int, int]]  # request id -> (engine, tokens predicted)
     imbalance: list[float]
     series: dict[str, list[float]]
@@ -303,7 +307,7 @@ def _run(
     by_id = {t.request_id: t for t in trace}
     pending: list[Request] = _requests(trace)
     n = len(fleet)
-    run = _Run([0] * n, {}, [], {"step": [], "running": [], "imbalance": []}, 0.0)
+    run = _Run([0] * n, {}, {}, [], {"step": [], "running": [], "imbalance": []}, 0.0)
 
     def load(e: Any) -> float:
         return float(len(fleet[int(e)].active))
@@ -325,6 +329,7 @@ def _run(
                 target = min(range(n), key=lambda i: (len(fleet[i].active), i))
             fleet[target].admit(r)
             run.assigned[target] += 1
+            run.placement[r.request_id] = target
             next_pending += 1
         running = [e.step(step) if e.active else 0 for e in fleet]
         if kv is not None:
@@ -355,6 +360,7 @@ def _fleet_report(
         num_engines=len(fleet),
         engines=reports,
         assigned=run.assigned,
+        placement=run.placement,
         requests=sum(r.requests for r in reports),
         completed=sum(r.completed for r in reports),
         rejected=sum(r.rejected for r in reports),
