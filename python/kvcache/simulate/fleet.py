@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 
@@ -151,7 +151,7 @@ class _KvRoute:
         engine, tokens = self.index.best_engine(
             t.prompt, lora_id=t.lora_task_id, cache_salt=t.cache_salt, load=load
         )
-        return int(engine), tokens  # type: ignore[call-overload]
+        return cast(int, engine), tokens  # the index's engine ids are the fleet's indices
 
     def feed(self) -> None:
         """Applies every engine's events of the step just run, as wire payloads."""
