@@ -11,11 +11,15 @@ from typing import Any
 
 import pytest
 
+import kvcache
 from kvcache.simulate import TraceRequest, default_workload, simulate
 from kvcache.simulate.fleet import FleetReport, simulate_fleet
 
-pytest.importorskip("msgspec")
-pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from kvcache.events import EventBatcher, ZmqEventPublisher, wire_schema  # noqa: E402
+from kvcache.router import KvIndexer  # noqa: E402
 
 MODEL = "gemma-3-1b"  # 5 sliding layers (window 512) per full one
 TIMING = ("wall_seconds", "manager_us_per_step", "manager_us_p99", "scheduler_us_per_step")
@@ -246,3 +250,57 @@ def test_report_dict_round_trips_to_json() -> None:
     assert d["num_engines"] == 2 and d["router"] == "least-loaded"
     assert d["reused_token_share"] == pytest.approx(report.reused_tokens / report.context_tokens)
     assert {int(k): v for k, v in d["placement"].items()} == report.placement
+
+
+def test_event_batcher_gives_the_publishers_payloads() -> None:
+    model = kvcache.ModelConfig(num_layers=2, num_kv_heads=1, head_dim=8)
+    config = kvcache.KvCacheConfig(
+        tokens_per_block=4,
+        backend="virtual",
+        event_buffer_max_size=1000,
+        max_attention_window=[8, 64],
+        enable_partial_reuse=False,
+    )
+    with pytest.raises(ValueError, match="event_buffer_max_size > 0"):
+        EventBatcher(
+            kvcache.KVCacheManager.from_blocks(
+                model,
+                kvcache.KvCacheConfig(tokens_per_block=4, backend="virtual"),
+                {64: 8},
+                max_seq_len=64,
+                max_batch_size=2,
+            )
+        )
+    managers = [
+        kvcache.KVCacheManager.from_blocks(
+            model, config, {8: 16, 64: 16}, max_seq_len=64, max_batch_size=2
+        )
+        for _ in range(2)
+    ]
+    batcher = EventBatcher(managers[0])
+    pub = ZmqEventPublisher(
+        managers[1], "inproc://test-fleet-batcher", replay_endpoint="inproc://test-fleet-batcher-r"
+    )
+    assert batcher.batch() is None
+    prompt = list(range(21))
+    for kv in managers:
+        kv.add_sequence(1, prompt)
+        kv.remove_sequence(1)
+    payload = batcher.batch()
+    assert payload is not None and pub.publish() == 0
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay.connect("inproc://test-fleet-batcher-r")
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    _, _, _, sent = replay.recv_multipart()
+    replay.close()
+    pub.close()
+    schema = wire_schema()
+    ours = msgspec.msgpack.decode(payload, type=schema.KVEventBatch)
+    theirs = msgspec.msgpack.decode(sent, type=schema.KVEventBatch)
+    assert ours.events == theirs.events  # the same wire events (only ts differs)
+    assert [type(e).__name__ for e in ours.events] == ["BlockStored", "BlockStored"]
+    assert batcher.batch() is None and batcher.num_lost_events == 0
+    index = KvIndexer()
+    index.apply("e", payload)
+    probe = [*range(20), 7]
+    assert index.match("e", probe) == managers[0].get_reusable_prefix_length(probe) == 20
