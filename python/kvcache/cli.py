@@ -818,7 +818,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_sim.add_argument(
         "--router",
-        choices=["kv", "round-robin", "least-loaded"],
+        choices=["kv", "round-robin", "least-loaded"],  # kvcache.simulate.fleet.ROUTERS
         default="kv",
         help="how a fleet routes requests: kv (an index fed by the engines' KV events; needs "
         "kvcache[events]), round-robin or least-loaded (default: kv)",

@@ -233,6 +233,10 @@ def test_cli_fleet_subprocess(tmp_path: Path) -> None:
         (["--engines", "2", "--compare-shares"], "--compare-shares shows one engine's run"),
         (["--engines", "65"], "each engine is a whole manager"),
         (["--engines", "2", "--router", "random"], "invalid choice: 'random'"),
+        (
+            ["--engines", "2", "--memory", "2MiB"],
+            "all 78 requests were rejected: none can ever fit in 2.00 MiB of KV memory",
+        ),
     ],
 )
 def test_cli_fleet_errors(args: list[str], message: str) -> None:
@@ -240,6 +244,15 @@ def test_cli_fleet_errors(args: list[str], message: str) -> None:
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+def test_cli_knows_the_fleets_routers_and_bound() -> None:
+    from kvcache import cli
+    from kvcache.simulate import fleet
+
+    assert cli._MAX_ENGINES == fleet.MAX_ENGINES
+    proc = _cli("--help")
+    assert "--router {" + ",".join(fleet.ROUTERS) + "}" in proc.stdout
 
 
 def test_report_dict_round_trips_to_json() -> None:

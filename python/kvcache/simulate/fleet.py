@@ -491,7 +491,12 @@ def run_fleet_cli(args: argparse.Namespace) -> int:
     """
     from kvcache import __version__
     from kvcache.models import load_model
-    from kvcache.simulate.command import _check_flags, _workload, check_output_path
+    from kvcache.simulate.command import (
+        _all_rejected,
+        _check_flags,
+        _workload,
+        check_output_path,
+    )
     from kvcache.simulate.loop import DEFAULT_MEMORY, simulation_blocks
     from kvcache.simulate.workload import DEFAULT_MAX_SEQ_LEN
     from kvcache.sizing import parse_size, resolve_share_policy
@@ -555,10 +560,21 @@ def run_fleet_cli(args: argparse.Namespace) -> int:
         )
         for router in routers
     ]
+    for r in reports:
+        if r.completed == 0 and r.rejected == r.requests:
+            raise ValueError(
+                _all_rejected(dataclasses.replace(r.engines[0], requests=r.requests), trace)
+            )
     if args.compare_routers:
         print(format_router_comparison(reports, workload=workload_text))
     else:
         print(format_fleet_report(reports[0], workload=workload_text))
+    if reports[0].rejected:
+        print(
+            f"kvcache: warning: {reports[0].rejected:,} of {reports[0].requests:,} requests were "
+            "rejected: they can never fit an engine's pools or max_seq_len",
+            file=sys.stderr,
+        )
     if args.json is not None:
         payload = {
             "version": __version__,
