@@ -79,9 +79,9 @@ class FleetReport:
     all engines together; ``None`` when nothing was looked up); ``reused_tokens`` and
     ``context_tokens`` sum the engines'. ``assigned`` counts the requests routed to each
     engine, ``placement`` maps each request id to its engine. ``load_imbalance`` is max
-    over mean of the engines' running requests, averaged over the steps in which any engine
-    ran (1.0 is perfect balance, ``N`` is one engine doing all the work). ``steps`` counts
-    those steps.
+    over mean of the engines' running requests (batch sizes), averaged over the steps in
+    which any request ran (1.0 is perfect balance, ``N`` is one engine doing all the work).
+    ``steps`` counts the steps in which any engine ran.
 
     For the ``kv`` router, ``predicted_tokens`` sums the prompt tokens the router predicted
     each request would reuse on the engine it chose, and ``found_tokens`` what those requests
@@ -335,10 +335,11 @@ def _run(
         if kv is not None:
             kv.feed()
         mean = sum(running) / n
-        run.imbalance.append(max(running) / mean if mean > 0 else 1.0)
+        if mean > 0:  # a step that ran nothing (only rejections or pauses) is not counted
+            run.imbalance.append(max(running) / mean)
         run.series["step"].append(step)
         run.series["running"].append(sum(running))
-        run.series["imbalance"].append(run.imbalance[-1])
+        run.series["imbalance"].append(max(running) / mean if mean > 0 else 1.0)
         step += 1
         bar.update(sum(e.num_done for e in fleet), len(run.series["step"]), sum(running))
     bar.update(sum(e.num_done for e in fleet), len(run.series["step"]), 0, final=True)
