@@ -59,6 +59,7 @@ MAX_SIZE_BYTES = 2**50
 _INT32_MAX = 2**31 - 1
 _MAX_DRAFT_TOKENS = 256
 _MAX_CONVERSATIONS = 10_000
+_MAX_ENGINES = 64  # kvcache.simulate.fleet.MAX_ENGINES (not imported: --help stays light)
 
 
 class _UsageError(Exception):
@@ -808,6 +809,25 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plot", default=None, metavar="FILE.png", help="plot pool use (needs matplotlib)"
     )
     p_sim.add_argument("--compare-shares", action="store_true", help="run under every share policy")
+    p_sim.add_argument(
+        "--engines",
+        type=_int_in(1, _MAX_ENGINES, "each engine is a whole manager"),
+        default=1,
+        metavar="N",
+        help="simulate a fleet of N engines behind --router (each with --memory; default 1)",
+    )
+    p_sim.add_argument(
+        "--router",
+        choices=["kv", "round-robin", "least-loaded"],  # kvcache.simulate.fleet.ROUTERS
+        default="kv",
+        help="how a fleet routes requests: kv (an index fed by the engines' KV events; needs "
+        "kvcache[events]), round-robin or least-loaded (default: kv)",
+    )
+    p_sim.add_argument(
+        "--compare-routers",
+        action="store_true",
+        help="run the fleet under every router and print one table (needs --engines 2+)",
+    )
     p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_sim.set_defaults(func=_cmd_simulate)
 

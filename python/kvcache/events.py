@@ -89,6 +89,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
+    "EventBatcher",
     "KVEventBatch",
     "WireSchema",
     "ZmqEventPublisher",
@@ -262,7 +263,201 @@ def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> None:
         raise
 
 
-class ZmqEventPublisher:
+class EventBatcher:
+    """Turns a manager's KV cache events into vLLM ``KVEventBatch`` payloads, without sockets.
+
+    The conversion half of :class:`ZmqEventPublisher` (which is one, plus its sockets): each
+    :meth:`batch` drains the manager's events and returns the msgpack payload that
+    ``publish`` would send for that step, byte for byte the same wire. For engines that ship
+    batches their own way, and for simulations (``kvcache.simulate.fleet`` feeds a router's
+    index with these payloads).
+
+    Args:
+        manager: The manager; its ``config.event_buffer_max_size`` must be > 0 and large
+            enough for the events of one step (events lost to an overflow are reported as
+            ``AllBlocksCleared``).
+        event_format: ``"map"`` (vLLM 0.32's tagged-map events; the default) or
+            ``"array"`` (the older positional-array events).
+        data_parallel_rank: Written into every batch (``None``: not written).
+        lora_names: LoRA task id -> adapter name, written as ``lora_name``.
+
+    Raises:
+        ValueError: Events disabled on the manager, or a bad argument.
+
+    Example:
+        >>> import kvcache, msgspec
+        >>> from kvcache.events import EventBatcher
+        >>> model = kvcache.ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
+        >>> config = kvcache.KvCacheConfig(tokens_per_block=4, backend="virtual",
+        ...                                event_buffer_max_size=1000)
+        >>> kv = kvcache.KVCacheManager.from_blocks(model, config, {64: 8}, max_seq_len=64,
+        ...                                         max_batch_size=2)
+        >>> batcher = EventBatcher(kv)
+        >>> kv.add_sequence(1, list(range(9))); kv.remove_sequence(1)
+        0
+        >>> ts, events, rank = msgspec.msgpack.decode(batcher.batch())
+        >>> events[0]["type"], events[0]["token_ids"], batcher.batch()
+        ('BlockStored', [0, 1, 2, 3, 4, 5, 6, 7], None)
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        event_format: str = "map",
+        data_parallel_rank: int | None = None,
+        lora_names: Mapping[int, str] | None = None,
+    ) -> None:
+        config = getattr(manager, "config", None)
+        if config is None or getattr(config, "event_buffer_max_size", 0) <= 0:
+            raise ValueError(
+                "the manager records no events: set KvCacheConfig.event_buffer_max_size > 0"
+            )
+        names = dict(lora_names or {})
+        if not all(isinstance(k, int) and isinstance(v, str) for k, v in names.items()):
+            raise ValueError("lora_names must map int LoRA task ids to str names")
+        if data_parallel_rank is not None and (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or data_parallel_rank < 0
+        ):
+            raise ValueError(
+                f"data_parallel_rank must be None or an int >= 0, got {data_parallel_rank!r}"
+            )
+        if event_format not in ("array", "map"):
+            raise ValueError(f'event_format must be "array" or "map", got {event_format!r}')
+        self._manager = manager
+        self._schema = ARRAY_SCHEMA if event_format == "array" else MAP_SCHEMA
+        self._lora_names = names
+        self._encoder = msgspec.msgpack.Encoder()
+        self._dp_rank = data_parallel_rank
+        windows = [int(w) for w in manager.window_sizes]
+        max_seq_len = int(manager.max_seq_len)
+        self._group = {w: i for i, w in enumerate(windows)}
+        self._sliding = {w: w < max_seq_len for w in windows}
+        self._block_size = int(manager.tokens_per_block)
+        self._cached: dict[tuple[int, int], _Cached] = {}
+        self._next_event_id: int | None = None
+        self._lost = 0
+
+    @property
+    def num_lost_events(self) -> int:
+        """Manager events lost to an overflow of its event buffer before they were batched."""
+        return self._lost
+
+    def batch(self) -> bytes | None:
+        """Drains the manager's events into one msgpack ``KVEventBatch`` payload.
+
+        Returns:
+            The payload (``[ts, events, data_parallel_rank]``), or ``None`` when the manager
+            had no event to publish.
+        """
+        wire = self.convert(self._manager.get_latest_events(0))
+        if not wire:
+            return None
+        batch = self._schema.KVEventBatch(
+            ts=time.time(), events=wire, data_parallel_rank=self._dp_rank
+        )
+        return self._encoder.encode(batch)
+
+    def convert(self, events: list[KVCacheEvent]) -> list[Any]:
+        """vLLM wire events for a run of the manager's events (updates the batcher's state).
+
+        :meth:`batch` (and ``ZmqEventPublisher.publish``) call this; it is public for engines
+        that ship events their own way.
+        """
+        out: list[Any] = []
+        if events and self._next_event_id is not None and events[0].event_id > self._next_event_id:
+            self._lost += events[0].event_id - self._next_event_id
+            self._cached.clear()
+            out.append(self._schema.AllBlocksCleared())
+        for e in events:
+            self._next_event_id = e.event_id + 1
+            if e.kind == "stored":
+                self._on_stored(e, out)
+            elif e.kind == "removed":
+                for h in e.data["block_hashes"]:
+                    cached = self._cached.pop((e.window_size, int(h)), None)
+                    if cached is not None:
+                        self._removed(out, e.window_size, int(h), cached.medium)
+            elif e.kind == "updated" and e.data.get("cache_level") is not None:
+                h = int(e.data["block_hash"])
+                cached = self._cached.get((e.window_size, h))
+                new_medium = _MEDIA[int(e.data["cache_level"][1])]
+                if cached is None or cached.medium == new_medium:
+                    continue
+                self._removed(out, e.window_size, h, cached.medium)
+                cached.medium = new_medium
+                self._stored(out, e.window_size, cached.parent, h, cached, new_medium)
+        return out
+
+    def _on_stored(self, e: KVCacheEvent, out: list[Any]) -> None:
+        parent = e.data["parent_hash"]
+        parent = None if parent is None else int(parent)
+        for b in e.data["blocks"]:
+            tokens = [int(t) for t in b["tokens"]]
+            h = int(b["block_hash"])
+            if len(tokens) != self._block_size:
+                break  # a partly filled last block: not published
+            lora = b["lora_task_id"]
+            medium = _MEDIA[int(b["cache_level"])]
+            cached = _Cached(parent, tokens, None if lora is None else int(lora), medium)
+            self._cached[(e.window_size, h)] = cached
+            self._stored(out, e.window_size, parent, h, cached, medium)
+            parent = h
+
+    def _stored(
+        self,
+        out: list[Any],
+        window: int,
+        parent: int | None,
+        h: int,
+        block: _Cached,
+        medium: str,
+    ) -> None:
+        group = self._group[window]
+        last = out[-1] if out else None
+        if (
+            isinstance(last, self._schema.BlockStored)
+            and last.group_idx == group
+            and last.medium == medium
+            and last.lora_id == block.lora_id
+            and last.block_hashes[-1] == parent
+        ):
+            last.block_hashes.append(h)
+            last.token_ids.extend(block.tokens)
+            return
+        sliding = self._sliding[window]
+        out.append(
+            self._schema.BlockStored(
+                block_hashes=[h],
+                parent_block_hash=parent,
+                token_ids=list(block.tokens),
+                block_size=self._block_size,
+                lora_id=block.lora_id,
+                medium=medium,
+                lora_name=None if block.lora_id is None else self._lora_names.get(block.lora_id),
+                extra_keys=None,
+                group_idx=group,
+                kv_cache_spec_kind="sliding_window" if sliding else "full_attention",
+                kv_cache_spec_sliding_window=window if sliding else None,
+            )
+        )
+
+    def _removed(self, out: list[Any], window: int, h: int, medium: str) -> None:
+        group = self._group[window]
+        last = out[-1] if out else None
+        if (
+            isinstance(last, self._schema.BlockRemoved)
+            and last.group_idx == group
+            and last.medium == medium
+        ):
+            last.block_hashes.append(h)
+            return
+        out.append(self._schema.BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
+
+
+class ZmqEventPublisher(EventBatcher):
     """Publishes a manager's KV cache events as vLLM ``KVEventBatch`` messages over ZeroMQ.
 
     One :meth:`publish` per engine step drains the manager's events
@@ -338,11 +533,12 @@ class ZmqEventPublisher:
         replay_timeout_s: float = 10.0,
         lora_names: Mapping[int, str] | None = None,
     ) -> None:
-        config = getattr(manager, "config", None)
-        if config is None or getattr(config, "event_buffer_max_size", 0) <= 0:
-            raise ValueError(
-                "the manager records no events: set KvCacheConfig.event_buffer_max_size > 0"
-            )
+        super().__init__(
+            manager,
+            event_format=event_format,
+            data_parallel_rank=data_parallel_rank,
+            lora_names=lora_names,
+        )
         for name, value, most in (
             ("buffer_steps", buffer_steps, MAX_BUFFER_STEPS),
             ("hwm", hwm, MAX_HWM),
@@ -357,19 +553,6 @@ class ZmqEventPublisher:
             raise ValueError(
                 f"replay_timeout_s must be a number in (0, 86400], got {replay_timeout_s!r}"
             )
-        names = dict(lora_names or {})
-        if not all(isinstance(k, int) and isinstance(v, str) for k, v in names.items()):
-            raise ValueError("lora_names must map int LoRA task ids to str names")
-        if data_parallel_rank is not None and (
-            isinstance(data_parallel_rank, bool)
-            or not isinstance(data_parallel_rank, int)
-            or data_parallel_rank < 0
-        ):
-            raise ValueError(
-                f"data_parallel_rank must be None or an int >= 0, got {data_parallel_rank!r}"
-            )
-        if event_format not in ("array", "map"):
-            raise ValueError(f'event_format must be "array" or "map", got {event_format!r}')
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
         _check_endpoint("endpoint", endpoint)
@@ -378,24 +561,11 @@ class ZmqEventPublisher:
         pub_endpoint = str(offset_endpoint_port(endpoint, data_parallel_rank))
         replay_at = offset_endpoint_port(replay_endpoint, data_parallel_rank)
 
-        self._manager = manager
-        self._schema = ARRAY_SCHEMA if event_format == "array" else MAP_SCHEMA
         self._replay_topic = event_format == "map"
         self._replay_timeout_s = float(replay_timeout_s)
-        self._lora_names = names
-        self._encoder = msgspec.msgpack.Encoder()
-        self._dp_rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
         self._buffer_steps = buffer_steps
-        windows = [int(w) for w in manager.window_sizes]
-        max_seq_len = int(manager.max_seq_len)
-        self._group = {w: i for i, w in enumerate(windows)}
-        self._sliding = {w: w < max_seq_len for w in windows}
-        self._block_size = int(manager.tokens_per_block)
-        self._cached: dict[tuple[int, int], _Cached] = {}
-        self._next_event_id: int | None = None
         self._next_seq = 0
-        self._lost = 0
         self._closed = False
         self._failure: BaseException | None = None
         self._stop = False
@@ -441,11 +611,6 @@ class ZmqEventPublisher:
         return self._replay_endpoint
 
     @property
-    def num_lost_events(self) -> int:
-        """Manager events lost to an overflow of its event buffer before they were published."""
-        return self._lost
-
-    @property
     def num_replays_abandoned(self) -> int:
         """Replay answers given up because the client read nothing for ``replay_timeout_s``."""
         return self._replays_abandoned
@@ -469,16 +634,12 @@ class ZmqEventPublisher:
         if self._closed:
             raise RuntimeError("ZmqEventPublisher is closed")
         self._check_sender()
-        events = self._manager.get_latest_events(0)
-        wire = self.convert(events)
-        if not wire:
+        payload = self.batch()
+        if payload is None:
             return None
-        batch = self._schema.KVEventBatch(
-            ts=time.time(), events=wire, data_parallel_rank=self._dp_rank
-        )
         seq = self._next_seq
         self._next_seq += 1
-        self._queue.put((seq, self._encoder.encode(batch)))
+        self._queue.put((seq, payload))
         return seq
 
     def _check_sender(self) -> None:
@@ -487,36 +648,6 @@ class ZmqEventPublisher:
             raise RuntimeError(
                 f"the event sender thread failed ({failure!r}); events are no longer sent"
             ) from failure
-
-    def convert(self, events: list[KVCacheEvent]) -> list[Any]:
-        """vLLM wire events for a run of the manager's events (updates the publisher's state).
-
-        ``publish`` calls this; it is public for engines that ship events their own way.
-        """
-        out: list[Any] = []
-        if events and self._next_event_id is not None and events[0].event_id > self._next_event_id:
-            self._lost += events[0].event_id - self._next_event_id
-            self._cached.clear()
-            out.append(self._schema.AllBlocksCleared())
-        for e in events:
-            self._next_event_id = e.event_id + 1
-            if e.kind == "stored":
-                self._on_stored(e, out)
-            elif e.kind == "removed":
-                for h in e.data["block_hashes"]:
-                    cached = self._cached.pop((e.window_size, int(h)), None)
-                    if cached is not None:
-                        self._removed(out, e.window_size, int(h), cached.medium)
-            elif e.kind == "updated" and e.data.get("cache_level") is not None:
-                h = int(e.data["block_hash"])
-                cached = self._cached.get((e.window_size, h))
-                new_medium = _MEDIA[int(e.data["cache_level"][1])]
-                if cached is None or cached.medium == new_medium:
-                    continue
-                self._removed(out, e.window_size, h, cached.medium)
-                cached.medium = new_medium
-                self._stored(out, e.window_size, cached.parent, h, cached, new_medium)
-        return out
 
     def close(self) -> None:
         """Sends what is queued, stops the thread and closes the sockets (idempotent)."""
@@ -531,73 +662,6 @@ class ZmqEventPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ conversion
-
-    def _on_stored(self, e: KVCacheEvent, out: list[Any]) -> None:
-        parent = e.data["parent_hash"]
-        parent = None if parent is None else int(parent)
-        for b in e.data["blocks"]:
-            tokens = [int(t) for t in b["tokens"]]
-            h = int(b["block_hash"])
-            if len(tokens) != self._block_size:
-                break  # a partly filled last block: not published
-            lora = b["lora_task_id"]
-            medium = _MEDIA[int(b["cache_level"])]
-            cached = _Cached(parent, tokens, None if lora is None else int(lora), medium)
-            self._cached[(e.window_size, h)] = cached
-            self._stored(out, e.window_size, parent, h, cached, medium)
-            parent = h
-
-    def _stored(
-        self,
-        out: list[Any],
-        window: int,
-        parent: int | None,
-        h: int,
-        block: _Cached,
-        medium: str,
-    ) -> None:
-        group = self._group[window]
-        last = out[-1] if out else None
-        if (
-            isinstance(last, self._schema.BlockStored)
-            and last.group_idx == group
-            and last.medium == medium
-            and last.lora_id == block.lora_id
-            and last.block_hashes[-1] == parent
-        ):
-            last.block_hashes.append(h)
-            last.token_ids.extend(block.tokens)
-            return
-        sliding = self._sliding[window]
-        out.append(
-            self._schema.BlockStored(
-                block_hashes=[h],
-                parent_block_hash=parent,
-                token_ids=list(block.tokens),
-                block_size=self._block_size,
-                lora_id=block.lora_id,
-                medium=medium,
-                lora_name=None if block.lora_id is None else self._lora_names.get(block.lora_id),
-                extra_keys=None,
-                group_idx=group,
-                kv_cache_spec_kind="sliding_window" if sliding else "full_attention",
-                kv_cache_spec_sliding_window=window if sliding else None,
-            )
-        )
-
-    def _removed(self, out: list[Any], window: int, h: int, medium: str) -> None:
-        group = self._group[window]
-        last = out[-1] if out else None
-        if (
-            isinstance(last, self._schema.BlockRemoved)
-            and last.group_idx == group
-            and last.medium == medium
-        ):
-            last.block_hashes.append(h)
-            return
-        out.append(self._schema.BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
 
     # ------------------------------------------------------------------ sender thread
 

@@ -165,6 +165,10 @@ def run_cli(args: argparse.Namespace) -> int:
         ValueError: Any bad input (one line; the command exits with status 2), including a
             run in which every request was rejected.
     """
+    if getattr(args, "engines", 1) > 1 or getattr(args, "compare_routers", False):
+        from kvcache.simulate.fleet import run_fleet_cli
+
+        return run_fleet_cli(args)
     _check_flags(args)
     model = load_model(args.model or DEFAULT_MODEL)
     shares = args.shares

@@ -292,32 +292,48 @@ def simulate(
         draft_tokens=draft_tokens,
         disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
     )
-    preset, config, seq_len, blocks = setup.preset, setup.config, setup.seq_len, setup.blocks
-    memory, expected = setup.memory, setup.expected_seq_len
-    manager = KVCacheManager.from_blocks(
-        preset.model,
-        config,
-        {w: (p, s, setup.disk[w]) for w, (p, s) in blocks.items()},
-        max_seq_len=seq_len,
+    engine = _Engine(
+        setup,
+        setup.config,
+        {t.request_id: t.output for t in trace},
+        scheduler=scheduler,
         max_batch_size=max_batch_size,
-        max_draft_tokens=draft_tokens,
-    )
-    rm = KVCacheResourceManager(manager)
-    sched = CapacityScheduler(
-        rm,
-        scheduler,
         max_num_batched_tokens=max_num_batched_tokens,
         chunked_prefill=chunked_prefill,
         max_chunk_size=max_chunk_size,
+        draft_tokens=draft_tokens,
+        draft_acceptance=draft_acceptance,
+        rng=np.random.default_rng(seed),
+        check_invariants=check_invariants,
     )
-    windows = rm.window_sizes
-    layer_windows = config.attention_window_per_layer(preset.model.num_layers, seq_len)
-    primary = {w: rm.num_primary_blocks(w) for w in windows}
-    rng = np.random.default_rng(seed)
+    pending = _requests(trace)
+    next_pending = 0
+    bar = _Progress(len(pending), progress)
+    wall0 = time.perf_counter()
+    step = 0
+    while next_pending < len(pending) or engine.active:
+        if not engine.active and pending[next_pending].arrival > step:
+            step = pending[next_pending].arrival  # idle until the next arrival
+        while next_pending < len(pending) and pending[next_pending].arrival <= step:
+            engine.admit(pending[next_pending])
+            next_pending += 1
+        running = engine.step(step)
+        step += 1
+        bar.update(engine.num_done, engine.num_steps, running)
+    bar.update(engine.num_done, engine.num_steps, 0, final=True)
+    return engine.report(
+        wall_seconds=time.perf_counter() - wall0,
+        enable_block_reuse=enable_block_reuse,
+        swa_reuse_policy=swa_reuse_policy,
+        protect_reused_blocks=protect_reused_blocks,
+        host_cache_bytes=host_cache_bytes,
+        disk_cache_bytes=disk_cache_bytes,
+    )
 
-    ordered = sorted(trace, key=lambda t: (t.arrival, t.request_id))
-    outputs = {t.request_id: t.output for t in ordered}
-    pending = [
+
+def _requests(trace: Sequence[TraceRequest]) -> list[Request]:
+    """The trace's requests as the scheduler's, by arrival step, then id."""
+    return [
         Request(
             t.request_id,
             prompt=t.prompt,
@@ -327,41 +343,116 @@ def simulate(
             priority=t.priority,
             arrival=t.arrival,
         )
-        for t in ordered
+        for t in sorted(trace, key=lambda t: (t.arrival, t.request_id))
     ]
-    next_pending = 0
-    active: list[Request] = []
-    finish_step: dict[int, int] = {}
-    paused_ids: set[int] = set()
-    pause_events = rejected = generated = context_tokens = reused_tokens = chunks = 0
-    series: dict[str, list[float]] = {"step": [], "running": [], "waiting": []}
-    for w in windows:
-        series[f"used_{w}"] = []
-    manager_times: list[float] = []
-    sched_times: list[float] = []
-    bar = _Progress(len(pending), progress)
-    wall0 = time.perf_counter()
-    step = 0
-    while next_pending < len(pending) or active:
-        if not active and pending[next_pending].arrival > step:
-            step = pending[next_pending].arrival  # idle until the next arrival
-        while next_pending < len(pending) and pending[next_pending].arrival <= step:
-            active.append(pending[next_pending])
-            next_pending += 1
-        if draft_tokens:
+
+
+class _Engine:
+    """One simulated engine: a manager, its scheduler and the requests admitted to it.
+
+    :meth:`admit` hands it a request; :meth:`step` runs one engine step (schedule, prepare,
+    run the batch with the workload's output tokens, update, free what finished);
+    :meth:`report` sums up. :func:`simulate` drives one; ``kvcache.simulate.fleet`` drives
+    several behind a router, so both step an engine the same way.
+    """
+
+    def __init__(
+        self,
+        setup: _Setup,
+        config: KvCacheConfig,
+        outputs: dict[int, tuple[int, ...]],
+        *,
+        scheduler: str,
+        max_batch_size: int,
+        max_num_batched_tokens: int | None,
+        chunked_prefill: bool,
+        max_chunk_size: int | None,
+        draft_tokens: int,
+        draft_acceptance: float,
+        rng: np.random.Generator,
+        check_invariants: bool,
+    ) -> None:
+        self.setup = setup
+        self.config = config
+        self.manager = KVCacheManager.from_blocks(
+            setup.preset.model,
+            config,
+            {w: (p, s, setup.disk[w]) for w, (p, s) in setup.blocks.items()},
+            max_seq_len=setup.seq_len,
+            max_batch_size=max_batch_size,
+            max_draft_tokens=draft_tokens,
+        )
+        self.rm = KVCacheResourceManager(self.manager)
+        self.sched = CapacityScheduler(
+            self.rm,
+            scheduler,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=chunked_prefill,
+            max_chunk_size=max_chunk_size,
+        )
+        self.scheduler = scheduler
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.draft_tokens = draft_tokens
+        self._acceptance = draft_acceptance
+        self._rng = rng
+        self._check = check_invariants
+        self._outputs = outputs
+        self.windows = self.rm.window_sizes
+        self.primary = {w: self.rm.num_primary_blocks(w) for w in self.windows}
+        #: Every request admitted, in order; those not yet finished or failed.
+        self.requests: list[Request] = []
+        self.active: list[Request] = []
+        #: Request id -> the engine step after which it finished.
+        self.finish_step: dict[int, int] = {}
+        #: Request id -> prompt tokens it reused when it was first registered.
+        self.first_reuse: dict[int, int] = {}
+        self.paused_ids: set[int] = set()
+        self.pause_events = self.rejected = self.generated = 0
+        self.context_tokens = self.reused_tokens = self.chunks = 0
+        self.series: dict[str, list[float]] = {"step": [], "running": [], "waiting": []}
+        for w in self.windows:
+            self.series[f"used_{w}"] = []
+        self.manager_times: list[float] = []
+        self.sched_times: list[float] = []
+
+    @property
+    def num_done(self) -> int:
+        """Requests finished or rejected."""
+        return len(self.finish_step) + self.rejected
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps run."""
+        return len(self.series["step"])
+
+    def admit(self, r: Request) -> None:
+        """Queues ``r``: the next :meth:`step` may schedule it."""
+        self.requests.append(r)
+        self.active.append(r)
+
+    def step(self, step: int) -> int:
+        """Runs engine step ``step`` over the active requests; returns the batch size.
+
+        Raises:
+            RuntimeError: Requests wait but nothing can be scheduled (pools too small).
+        """
+        rm, outputs, active = self.rm, self._outputs, self.active
+        if self.draft_tokens:
             for r in active:
                 if r.state is RequestState.GENERATION:
                     r.draft_tokens = _propose_drafts(
-                        r, outputs, draft_tokens, draft_acceptance, rng
+                        r, outputs, self.draft_tokens, self._acceptance, self._rng
                     )
 
         t0 = time.perf_counter()
-        out = sched.schedule(active)
+        out = self.sched.schedule(active)
         t1 = time.perf_counter()
         batch = out.batch
-        rejected += len(out.rejected)
-        pause_events += len(out.paused)
-        paused_ids.update(r.request_id for r in out.paused)
+        self.rejected += len(out.rejected)
+        self.pause_events += len(out.paused)
+        self.paused_ids.update(r.request_id for r in out.paused)
         if len(batch) == 0 and not out.rejected and not out.paused:
             raise RuntimeError(
                 f"step {step}: nothing can be scheduled although {len(active)} requests wait; "
@@ -371,119 +462,138 @@ def simulate(
         rm.prepare_resources(batch)
         t2 = time.perf_counter()
         for r in starting:  # registered this step: its cached prefix counts once
-            context_tokens += r.reused_tokens
-            reused_tokens += r.reused_tokens
+            self.context_tokens += r.reused_tokens
+            self.reused_tokens += r.reused_tokens
+            self.first_reuse.setdefault(r.request_id, r.reused_tokens)
         for r in batch.context_requests:
-            context_tokens += batch.chunk_size(r)
-            chunks += 1
+            self.context_tokens += batch.chunk_size(r)
+            self.chunks += 1
             if batch.is_last_chunk(r):
                 r.append_tokens([outputs[r.request_id][r.num_generated]])
-                generated += 1
+                self.generated += 1
         for r, d in batch.generation:
             g = r.num_generated
             accepted = 0
             while accepted < d and r.draft_tokens[accepted] == outputs[r.request_id][g + accepted]:
                 accepted += 1
             r.append_tokens(outputs[r.request_id][g : g + accepted + 1])
-            generated += accepted + 1
+            self.generated += accepted + 1
             r.rewind_len = d - accepted
         t3 = time.perf_counter()
         rm.update_resources(batch)
         done = [r for r in batch.context_requests + batch.generation_requests if r.is_finished]
         for r in done:
             rm.free_resources(r)
-            finish_step[r.request_id] = step + 1
-        manager.refresh_blocks()
+            self.finish_step[r.request_id] = step + 1
+        self.manager.refresh_blocks()
         t4 = time.perf_counter()
-        manager_times.append((t2 - t1) + (t4 - t3))
-        sched_times.append(t1 - t0)
-        if check_invariants:
-            manager.check_invariants()
+        self.manager_times.append((t2 - t1) + (t4 - t3))
+        self.sched_times.append(t1 - t0)
+        if self._check:
+            self.manager.check_invariants()
 
+        series = self.series
         series["step"].append(step)
         series["running"].append(len(batch))
         waiting = sum(1 for r in active if r.state in (RequestState.WAITING, RequestState.PAUSED))
         series["waiting"].append(waiting)
-        for w in windows:
+        for w in self.windows:
             series[f"used_{w}"].append(rm.get_num_used_blocks(w))
         if done or out.rejected:
-            active = [
+            self.active = [
                 r for r in active if r.state not in (RequestState.FINISHED, RequestState.FAILED)
             ]
-        step += 1
-        bar.update(len(finish_step) + rejected, len(series["step"]), len(batch))
-    bar.update(len(finish_step) + rejected, len(series["step"]), 0, final=True)
-    wall = time.perf_counter() - wall0
+        return len(batch)
 
-    stats = manager.get_kv_cache_stats()
-    lookups = stats.reused_blocks + stats.missed_blocks
-    latencies = np.array(
-        [finish_step[r.request_id] - r.arrival for r in pending if r.request_id in finish_step],
-        dtype=float,
-    )
-    running = np.array(series["running"], dtype=float)
-    mt = np.array(manager_times) * 1e6
-    st = np.array(sched_times) * 1e6
-    return SimulationReport(
-        model=preset.name,
-        memory_bytes=memory,
-        shares=setup.share_text,
-        scheduler=scheduler,
-        max_batch_size=max_batch_size,
-        max_seq_len=seq_len,
-        tokens_per_block=tokens_per_block,
-        draft_tokens=draft_tokens,
-        windows=[
-            WindowReport(
-                window=w,
-                layers=layer_windows.count(w),
-                blocks=primary[w],
-                tokens=primary[w] * tokens_per_block,
-                peak_used_blocks=int(max(series[f"used_{w}"], default=0)),
-                mean_used_blocks=float(np.mean(series[f"used_{w}"])) if running.size else 0.0,
-            )
-            for w in windows
-        ],
-        requests=len(pending),
-        completed=len(finish_step),
-        rejected=rejected,
-        steps=len(series["step"]),
-        generated_tokens=generated,
-        context_tokens=context_tokens,
-        mean_concurrency=float(running.mean()) if running.size else 0.0,
-        peak_concurrency=int(running.max()) if running.size else 0,
-        pause_events=pause_events,
-        paused_requests=len(paused_ids),
-        mean_latency_steps=float(latencies.mean()) if latencies.size else 0.0,
-        p95_latency_steps=float(np.percentile(latencies, 95)) if latencies.size else 0.0,
-        manager_us_per_step=float(mt.mean()) if mt.size else 0.0,
-        manager_us_p99=float(np.percentile(mt, 99)) if mt.size else 0.0,
-        scheduler_us_per_step=float(st.mean()) if st.size else 0.0,
-        wall_seconds=wall,
-        reused_tokens=reused_tokens,
-        cache_hit_rate=float(stats.cache_hit_rate) if lookups > 0 else None,
-        reused_blocks=int(stats.reused_blocks),
-        offloaded_blocks=int(stats.offloaded_blocks),
-        onboarded_blocks=int(stats.onboarded_blocks),
-        missed_blocks=int(stats.missed_blocks),
-        cache_hit_rate_per_window={
-            int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
-        },
-        swa_reuse_policy=swa_reuse_policy,
-        protect_reused_blocks=protect_reused_blocks,
-        lend_free_memory=bool(manager.lends_free_memory),
-        lent_slabs=int(stats.lent_slabs),
-        host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
-        disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
-        secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
-        reuse_enabled=enable_block_reuse,
-        expected_seq_len=expected,
-        chunked_prefill=chunked_prefill,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_chunk_size=sched.max_chunk_size,
-        prefill_chunks=chunks,
-        series=series,
-    )
+    def report(
+        self,
+        *,
+        wall_seconds: float,
+        enable_block_reuse: bool,
+        swa_reuse_policy: str,
+        protect_reused_blocks: bool,
+        host_cache_bytes: int,
+        disk_cache_bytes: int,
+    ) -> SimulationReport:
+        """What this engine did (the arguments are the run's, as given to :func:`simulate`)."""
+        setup, series, manager = self.setup, self.series, self.manager
+        preset, config, seq_len = setup.preset, self.config, setup.seq_len
+        tokens_per_block = config.tokens_per_block
+        layer_windows = config.attention_window_per_layer(preset.model.num_layers, seq_len)
+        stats = manager.get_kv_cache_stats()
+        lookups = stats.reused_blocks + stats.missed_blocks
+        latencies = np.array(
+            [
+                self.finish_step[r.request_id] - r.arrival
+                for r in self.requests
+                if r.request_id in self.finish_step
+            ],
+            dtype=float,
+        )
+        running = np.array(series["running"], dtype=float)
+        mt = np.array(self.manager_times) * 1e6
+        st = np.array(self.sched_times) * 1e6
+        primary = self.primary
+        return SimulationReport(
+            model=preset.name,
+            memory_bytes=setup.memory,
+            shares=setup.share_text,
+            scheduler=self.scheduler,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=seq_len,
+            tokens_per_block=tokens_per_block,
+            draft_tokens=self.draft_tokens,
+            windows=[
+                WindowReport(
+                    window=w,
+                    layers=layer_windows.count(w),
+                    blocks=primary[w],
+                    tokens=primary[w] * tokens_per_block,
+                    peak_used_blocks=int(max(series[f"used_{w}"], default=0)),
+                    mean_used_blocks=float(np.mean(series[f"used_{w}"])) if running.size else 0.0,
+                )
+                for w in self.windows
+            ],
+            requests=len(self.requests),
+            completed=len(self.finish_step),
+            rejected=self.rejected,
+            steps=len(series["step"]),
+            generated_tokens=self.generated,
+            context_tokens=self.context_tokens,
+            mean_concurrency=float(running.mean()) if running.size else 0.0,
+            peak_concurrency=int(running.max()) if running.size else 0,
+            pause_events=self.pause_events,
+            paused_requests=len(self.paused_ids),
+            mean_latency_steps=float(latencies.mean()) if latencies.size else 0.0,
+            p95_latency_steps=float(np.percentile(latencies, 95)) if latencies.size else 0.0,
+            manager_us_per_step=float(mt.mean()) if mt.size else 0.0,
+            manager_us_p99=float(np.percentile(mt, 99)) if mt.size else 0.0,
+            scheduler_us_per_step=float(st.mean()) if st.size else 0.0,
+            wall_seconds=wall_seconds,
+            reused_tokens=self.reused_tokens,
+            cache_hit_rate=float(stats.cache_hit_rate) if lookups > 0 else None,
+            reused_blocks=int(stats.reused_blocks),
+            offloaded_blocks=int(stats.offloaded_blocks),
+            onboarded_blocks=int(stats.onboarded_blocks),
+            missed_blocks=int(stats.missed_blocks),
+            cache_hit_rate_per_window={
+                int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
+            },
+            swa_reuse_policy=swa_reuse_policy,
+            protect_reused_blocks=protect_reused_blocks,
+            lend_free_memory=bool(manager.lends_free_memory),
+            lent_slabs=int(stats.lent_slabs),
+            host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
+            disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
+            secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
+            reuse_enabled=enable_block_reuse,
+            expected_seq_len=setup.expected_seq_len,
+            chunked_prefill=self.chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_chunk_size=self.sched.max_chunk_size,
+            prefill_chunks=self.chunks,
+            series=series,
+        )
 
 
 def _propose_drafts(
