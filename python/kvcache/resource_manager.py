@@ -112,6 +112,10 @@ class KVCacheResourceManager(ResourceEstimates):
     def __init__(
         self, manager: KVCacheManager, *, event_publisher: EventPublisher | None = None
     ) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(
+                f"manager must be a kvcache.KVCacheManager, got {type(manager).__name__}"
+            )
         self._manager = manager
         self._event_publisher = event_publisher
         self._windows: list[int] = list(manager.window_sizes)
