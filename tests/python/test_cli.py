@@ -287,7 +287,7 @@ def test_version() -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--memory", "10000TiB"], ["'10000TiB' is 10000 TiB, more than 1 PiB", "no single"]),
+        (["--memory", "10000TiB"], ["'10000TiB' is 9.77 PiB, more than 1 PiB", "no single"]),
         (["--memory", "1e30"], ["'1e30' is 1e+30 bytes, more than 1 PiB"]),
         (["--host-cache", "2048TiB"], ["argument --host-cache", "more than 1 PiB"]),
         (["--memory", "1000TiB"], ["87,381,333 blocks", "70 bytes of bookkeeping per block"]),
