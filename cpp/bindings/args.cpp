@@ -136,7 +136,9 @@ std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::handle& blocks
 std::vector<BlockId> ToBlockIds(const pybind11::handle& obj) {
   const std::vector<std::int64_t> ids = ToInt64Vector(obj, kBlockIds);
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] > INT32_MAX) ThrowInvalid(kBlockIds, "[", i, "] = ", ids[i], " is out of range [0, ", INT32_MAX, "]");
+    if (ids[i] < 0 || ids[i] > INT32_MAX) {
+      ThrowInvalid(kBlockIds, "[", i, "] = ", ids[i], " is out of range [0, ", INT32_MAX, "]");
+    }
   }
   return {ids.begin(), ids.end()};
 }
