@@ -680,3 +680,26 @@ def test_percentages_have_one_style() -> None:
     out += kvcache_run("plan", *GEMMA, "--memory", "80GiB").stdout
     assert re.search(r"\d %", out) is None
     assert re.search(r"\d%", out) is not None
+
+
+_NO_TORCH = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, _Block())
+from kvcache.cli import main
+sys.exit(main(["generate"]))
+"""
+
+
+def test_generate_without_torch_names_both_install_commands() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=60
+    )
+    line = assert_usage_error(proc)
+    assert line.startswith(
+        "kvcache generate: error: kvcache generate needs torch and transformers: pip install "
+        "'kvcache[torch]' (in a source checkout: pip install '.[torch]')"
+    ), line
