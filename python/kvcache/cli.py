@@ -783,6 +783,7 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         "plan", help="blocks, tokens and max concurrent sequences per window and share policy"
     )
     assert isinstance(p_plan, _Parser)
+    p_plan.usage = "%(prog)s --model NAME|FILE.json --memory SIZE [options]"
     p_plan.add_required("--model", help="preset name or preset JSON file")
     p_plan.add_required("--memory", type=size, help="primary KV memory, e.g. 80GiB (<= 1 PiB)")
     p_plan.add_argument(
