@@ -174,10 +174,22 @@ class Request:
                 f"request {self.request_id}: {len(tokens)} more tokens would exceed "
                 f"max_new_tokens={self.max_new_tokens}"
             )
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(
+                    f"request {self.request_id}: tokens[{i}] must be an int token id, got "
+                    f"{type(t).__name__} {t!r}"
+                )
         if self.state is RequestState.CONTEXT:
             self.context_position = self.context_len
-        self.generated.extend(int(t) for t in tokens)
+        self.generated.extend(operator.index(t) for t in tokens)
         self.state = RequestState.FINISHED if self.is_finished else RequestState.GENERATION
+
+
+def _check_request(request: object) -> None:
+    """TypeError unless ``request`` is a :class:`Request` (a batch holds nothing else)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"request must be a kvcache.Request, got {type(request).__name__}")
 
 
 @dataclass
@@ -204,6 +216,7 @@ class ScheduledBatch:
 
     def add_context(self, request: Request, chunk_size: int | None = None) -> None:
         """Adds a context request; ``chunk_size`` defaults to the rest of its prompt."""
+        _check_request(request)
         remaining = request.context_len - request.context_position
         size = remaining if chunk_size is None else chunk_size
         if not 0 < size <= remaining:
@@ -214,6 +227,7 @@ class ScheduledBatch:
 
     def add_generation(self, request: Request, num_draft_tokens: int = 0) -> None:
         """Adds a generation request that verifies ``num_draft_tokens`` drafts this step."""
+        _check_request(request)
         if num_draft_tokens < 0 or num_draft_tokens > len(request.draft_tokens):
             raise ValueError(
                 f"request {request.request_id}: num_draft_tokens must be in "

@@ -24,6 +24,7 @@ from kvcache import (
     KVCacheResourceManager,
     ModelConfig,
     Request,
+    ScheduledBatch,
     _core,
 )
 
@@ -805,6 +806,24 @@ BAD_CALLS: list[Row] = [
         lambda m: Request(1, [I31], 1),
         ValueError,
         r"prompt\[0\] = 2147483648 is out of range",
+    ),
+    (
+        "Request.append_tokens-float",
+        lambda m: Request(1, [1], 2).append_tokens([1.5]),
+        ValueError,
+        r"request 1: tokens\[0\] must be an int token id, got float 1.5",
+    ),
+    (
+        "ScheduledBatch.add_context-none",
+        lambda m: ScheduledBatch().add_context(None),
+        TypeError,
+        "request must be a kvcache.Request, got NoneType",
+    ),
+    (
+        "ScheduledBatch.add_generation-int",
+        lambda m: ScheduledBatch().add_generation(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
     ),
     (
         "Request-negative-token",
