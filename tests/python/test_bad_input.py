@@ -807,6 +807,49 @@ BAD_CALLS: list[Row] = [
         ValueError,
         r"prompt\[0\] = 2147483648 is out of range",
     ),
+    # the resource manager's hooks, over the same manager
+    (
+        "KVCacheResourceManager.prepare_resources-list",
+        lambda m: KVCacheResourceManager(m).prepare_resources([1]),
+        TypeError,
+        "batch must be a kvcache.ScheduledBatch, got list",
+    ),
+    (
+        "KVCacheResourceManager.update_resources-none",
+        lambda m: KVCacheResourceManager(m).update_resources(None),
+        TypeError,
+        "batch must be a kvcache.ScheduledBatch, got NoneType",
+    ),
+    (
+        "KVCacheResourceManager.free_resources-int",
+        lambda m: KVCacheResourceManager(m).free_resources(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
+    ),
+    (
+        "KVCacheResourceManager.has_request-int",
+        lambda m: KVCacheResourceManager(m).has_request(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
+    ),
+    (
+        "KVCacheResourceManager.num_primary_blocks-window",
+        lambda m: KVCacheResourceManager(m).num_primary_blocks(5),
+        ValueError,
+        r"window_size 5 is not one of this manager's windows \[8, 64\]",
+    ),
+    (
+        "KVCacheResourceManager.can_allocate-list",
+        lambda m: KVCacheResourceManager(m).can_allocate([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
+    (
+        "KVCacheResourceManager.fits_when_empty-list",
+        lambda m: KVCacheResourceManager(m).fits_when_empty([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
     (
         "Request.append_tokens-float",
         lambda m: Request(1, [1], 2).append_tokens([1.5]),
