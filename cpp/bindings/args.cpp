@@ -124,10 +124,36 @@ void CopyTokenValues(const T* data, std::size_t n, const char* what, std::vector
 
 }  // namespace
 
-std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::dict& blocks) {
+std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::handle& blocks) {
+  if (!PyDict_Check(blocks.ptr())) {
+    ThrowInvalid("blocks must be a dict {window: blocks}, got ", Py_TYPE(blocks.ptr())->tp_name);
+  }
   std::map<WindowSize, std::int32_t> need;
   for (const auto& [w, n] : blocks.cast<BlocksNeeded>()) need[w] = n;
   return need;
+}
+
+std::vector<BlockId> ToBlockIds(const pybind11::handle& obj) {
+  const std::vector<std::int64_t> ids = ToInt64Vector(obj, kBlockIds);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] > INT32_MAX) {
+      ThrowInvalid(kBlockIds, "[", i, "] = ", ids[i], " is out of range [0, ", INT32_MAX, "]");
+    }
+  }
+  return {ids.begin(), ids.end()};
+}
+
+std::map<WindowSize, std::vector<BlockId>> ToPinnedBlocks(const pybind11::handle& obj) {
+  std::map<WindowSize, std::vector<BlockId>> out;
+  for (const auto& [key, ids] : pybind11::reinterpret_borrow<pybind11::dict>(obj)) {
+    const WindowSize w = ReadInt<WindowSize>(key, kWindowSize, 1, INT32_MAX);
+    if (PyUnicode_Check(ids.ptr()) || PyBytes_Check(ids.ptr()) || PyDict_Check(ids.ptr()) ||
+        (!PySequence_Check(ids.ptr()) && !pybind11::isinstance<pybind11::array>(ids))) {
+      ThrowInvalid("block_ids[", w, "] must be a list of block ids, got ", Py_TYPE(ids.ptr())->tp_name);
+    }
+    out[w] = ToBlockIds(ids);
+  }
+  return out;
 }
 
 void ToRequestIds(const pybind11::handle& obj, const char* what, std::vector<SeqId>* ids) {

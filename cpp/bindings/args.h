@@ -3,6 +3,8 @@
 // reuse keys. Conversion only: no call into the manager happens here.
 #pragma once
 
+#include "init_guard.h"  // first: the guarded type casters must precede every use
+
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -110,8 +112,17 @@ std::optional<T> Unwrap(const std::optional<Int<T, Name, Lo, Hi>>& arg) {
   return arg->value;
 }
 
-/// can_allocate / fits_when_empty: {window: blocks} with every key and count range-checked.
-std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::dict& blocks);
+/// can_allocate / fits_when_empty: {window: blocks} with every key and count range-checked;
+/// anything but a dict raises ValueError.
+std::map<WindowSize, std::int32_t> ToBlocksNeeded(const pybind11::handle& blocks);
+
+/// Block ids (each in [0, 2**31)) from a 1-D integer ndarray or a sequence of ints; anything
+/// else raises ValueError naming block_ids.
+std::vector<BlockId> ToBlockIds(const pybind11::handle& obj);
+
+/// unpin_blocks_by_id's dict form, {window: [block ids]} as pin_blocks returns it, checked the
+/// same way (ValueError naming the bad key or item).
+std::map<WindowSize, std::vector<BlockId>> ToPinnedBlocks(const pybind11::handle& obj);
 
 /// Request ids from a 1-D integer ndarray or a sequence of ints into *ids; each must be in
 /// [0, 2**63).

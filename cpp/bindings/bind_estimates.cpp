@@ -1,5 +1,7 @@
 // A scheduler's estimates (KVCacheManager::Get*Needs / Get*Remaining*, kv_cache_manager_estimates.cpp)
 // and the pure block arithmetic of block_math.h (module-level functions of kvcache._core).
+#include "init_guard.h"  // first: the guarded type casters must precede every use
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -106,8 +108,8 @@ void BindBlockMath(py::module_& m) {
 
 void BindScheduler(py::module_& m) {
   using S = CapacityScheduler;
-  py::class_<S>(m, "CapacityScheduler", "Native capacity scheduler (see kvcache.scheduler.CapacityScheduler).")
-      .def(py::init([](M* manager, const std::string& policy, std::int32_t max_batch_size,
+  py::class_<S> cls(m, "CapacityScheduler", "Native capacity scheduler (see kvcache.scheduler.CapacityScheduler).");
+  cls.def(py::init([](M* manager, const std::string& policy, std::int32_t max_batch_size,
                        std::optional<std::int64_t> max_num_batched_tokens, bool chunked_prefill,
                        std::optional<std::int32_t> chunk) {
              CapacitySchedulerConfig c;
@@ -163,6 +165,7 @@ void BindScheduler(py::module_& m) {
           "Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, "
           "paused, rejected candidates), requests as indices into running or the candidates. Paused requests "
           "are removed from the manager.");
+  RejectSecondInit(cls);
 }
 
 }  // namespace

@@ -165,6 +165,23 @@ class LayerBuffer {
   bool device_;
 };
 
+inline constexpr char kLayerBufferNotInitialized[] =
+    "LayerBuffer is not initialized: it was made with __new__; get one from KVCacheManager.get_buffers()";
+
+}  // namespace
+}  // namespace kvcache::py
+
+// A LayerBuffer made with __new__ has no view: refuse it (init_guard.h) instead of reporting a
+// garbage shape and pointer or handing them to a DLPack consumer.
+namespace pybind11::detail {
+template <>
+class type_caster<kvcache::py::LayerBuffer>
+    : public GuardedCaster<kvcache::py::LayerBuffer, kvcache::py::kLayerBufferNotInitialized> {};
+}  // namespace pybind11::detail
+
+namespace kvcache::py {
+namespace {
+
 pybind11::object NumpyLayerView(const LayerView& v, const pybind11::object& owner) {
   std::string fmt;
   switch (v.dtype) {
@@ -524,16 +541,19 @@ void BindManager(pybind11::module_& m) {
           [](M& self, const pybind11::handle& block_ids, const std::optional<WindowSizeArg>& window) {
             if (pybind11::isinstance<pybind11::dict>(block_ids)) {
               if (window.has_value()) ThrowInvalid("unpin_blocks_by_id: window_size goes with a list of block ids, not a dict");
-              const auto pinned = block_ids.cast<std::map<WindowSizeArg, std::vector<BlockIdArg>>>();
-              std::map<WindowSize, std::vector<BlockId>> exact;
-              for (const auto& [w, ids] : pinned) exact[w].assign(ids.begin(), ids.end());
+              const auto exact = ToPinnedBlocks(block_ids);
               pybind11::gil_scoped_release release;
               self.UnpinBlocks(exact);
               return;
             }
-            const auto ids = block_ids.cast<std::vector<BlockIdArg>>();
+            if (PyUnicode_Check(block_ids.ptr()) || PyBytes_Check(block_ids.ptr()) ||
+                (!PySequence_Check(block_ids.ptr()) && !pybind11::isinstance<pybind11::array>(block_ids))) {
+              ThrowInvalid("unpin_blocks_by_id: block_ids must be a list of block ids or the {window: [block ids]} "
+                           "dict pin_blocks returns, got ", Py_TYPE(block_ids.ptr())->tp_name);
+            }
+            std::vector<BlockId> ids = ToBlockIds(block_ids);
             pybind11::gil_scoped_release release;
-            self.UnpinBlocksById(std::vector<BlockId>(ids.begin(), ids.end()), Unwrap(window));
+            self.UnpinBlocksById(std::move(ids), Unwrap(window));
           },
           pybind11::arg("block_ids"), pybind11::arg("window_size") = pybind11::none(),
           "With the dict that pin_blocks / remove_sequence(pin=True) returned: drops exactly those pins "
@@ -602,7 +622,7 @@ void BindManager(pybind11::module_& m) {
           "Primary blocks that can be handed out now; without window_size the minimum over windows.")
       .def(
           "fits_when_empty",
-          [](const M& self, const pybind11::dict& blocks) { return self.FitsWhenEmpty(ToBlocksNeeded(blocks)); },
+          [](const M& self, const pybind11::handle& blocks) { return self.FitsWhenEmpty(ToBlocksNeeded(blocks)); },
           pybind11::arg("blocks"),
           "Whether an empty manager could hold blocks[window] blocks of every window at once.")
       .def(

@@ -114,8 +114,7 @@ PyObject* RefreshBlocks(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObj
 PyObject* CanAllocate(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
   static constexpr FastParams<1> kParams{"can_allocate", {"blocks"}, 1, 1};
   const auto a = ParseArgs(kParams, args, nargsf, kwnames);
-  if (!PyDict_Check(a[0])) ThrowInvalid("blocks must be a dict {window: blocks}, got ", Py_TYPE(a[0])->tp_name);
-  return NewBool(self.CanAllocate(ToBlocksNeeded(pybind11::reinterpret_borrow<pybind11::dict>(a[0]))));
+  return NewBool(self.CanAllocate(ToBlocksNeeded(a[0])));
 }
 
 PyObject* AddTokens(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {

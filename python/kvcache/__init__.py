@@ -32,6 +32,7 @@ from kvcache.scheduler import CapacityScheduler
 from kvcache.sizing import (
     blocks_per_window,
     bytes_per_token,
+    format_size,
     parse_size,
     window_size_shares,
     window_sizes,
@@ -63,6 +64,7 @@ __all__ = [
     "blocks_per_window",
     "bytes_per_token",
     "cuda_available",
+    "format_size",
     "list_models",
     "load_model",
     "parse_size",

@@ -232,7 +232,7 @@ class KVCacheManager:
     def copy_block_offsets(
         self, out: typing.Any, request_ids: typing.Any, slot_offset: typing.SupportsIndex = 0
     ) -> int: ...
-    def fits_when_empty(self, blocks: dict) -> bool:
+    def fits_when_empty(self, blocks: typing.Any) -> bool:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
         """

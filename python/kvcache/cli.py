@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ _INT32_MAX = 2**31 - 1
 _MAX_DRAFT_TOKENS = 256
 _MAX_CONVERSATIONS = 10_000
 _MAX_ENGINES = 64  # kvcache.simulate.fleet.MAX_ENGINES (not imported: --help stays light)
+_DEFAULT_TOKENS_PER_BLOCK = 32
 
 
 class _UsageError(Exception):
@@ -67,6 +70,43 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """Errors raise :class:`_UsageError`; an unknown option is reported (with the closest
+    known one) before a missing required one, and a negative size such as ``-5GiB`` reaches
+    its option's type as a value instead of being taken for an option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse takes "-5GiB" for an option (it knows "-5" and "-.5" only); no option of
+        # this parser starts with a digit, so any "-<digit>..." is a value.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self._required_later: list[tuple[str, str]] = []  # (dest, option) checked after parsing
+
+    def add_required(self, *flags: str, **kwargs: Any) -> argparse.Action:
+        """An option that must be given, checked after the unknown options are reported."""
+        action = self.add_argument(*flags, default=None, **kwargs)
+        action.help = (action.help or "") + " (required)"
+        self._required_later.append((action.dest, flags[0]))
+        return action
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # a subcommand ("kvcache plan"): name the typo here
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._suggestion(extras)}")
+        missing = [flag for dest, flag in self._required_later if getattr(ns, dest) is None]
+        if missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        return ns, extras
+
+    def _suggestion(self, extras: Sequence[str]) -> str:
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for extra in extras:
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if extra.startswith("-") and close:
+                return f" (did you mean {close[0]}?)"
+        return ""
+
     def error(self, message: str) -> NoReturn:
         raise _UsageError(f"{self.prog}: error: {message}")
 
@@ -320,9 +360,9 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
         f"{'max seqs':>9}" + (f" {'saves/seq':>10}" if choice else "")
     )
     baseline: PolicyPlan = plan["full_attention"]
-    for p in [*plan["policies"], baseline]:
+    for p, title in _distinct_tables(plan["policies"], baseline):
         print(file=out)
-        print(f"{p.policy}" + (f" (from {p.source})" if p.source else "") + ":", file=out)
+        print(title, file=out)
         print(header, file=out)
         for r in p.rows:
             print(
@@ -375,6 +415,26 @@ def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
             file=out,
         )
     print(f"  {'full attention':<14} {baseline.max_sequences:>8,}", file=out)
+
+
+def _distinct_tables(
+    policies: Sequence[PolicyPlan], baseline: PolicyPlan
+) -> list[tuple[PolicyPlan, str]]:
+    """The tables to print, each with its title: one per policy and the baseline, except that
+    with one window (every policy gives it the whole budget) the policies' identical tables
+    are printed once under all their names, together with the baseline's when it is the same
+    too (a model whose layers are all full attention)."""
+
+    def name(p: PolicyPlan) -> str:
+        return p.policy + (f" (from {p.source})" if p.source else "")
+
+    if len({p.rows for p in policies}) > 1 or len(policies[0].rows) > 1:
+        return [(p, f"{name(p)}:") for p in [*policies, baseline]]
+    same = [*policies, baseline] if baseline.rows == policies[0].rows else list(policies)
+    tables = [(same[-1], f"{', '.join(map(name, same))} (one window: the whole budget):")]
+    if len(same) == len(policies):
+        tables.append((baseline, f"{name(baseline)}:"))
+    return tables
 
 
 def _shape_text(m: ModelConfig) -> str:
@@ -433,6 +493,41 @@ def _one_sequence(
     return need, text
 
 
+def _too_small(
+    args: argparse.Namespace,
+    preset: ModelPreset,
+    memory: int,
+    need: int,
+    per_window: str,
+    max_seq_len: int,
+    chunk: int | None,
+) -> str:
+    """Why ``memory`` holds no sequence, and the fix: more memory or a shorter sequence, or,
+    when the same budget fits with the default block size, a smaller ``--tokens-per-block``."""
+    tpb: int = args.tokens_per_block
+    head = (
+        f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "
+        f"{preset.name}: one needs {format_size(need)} ({per_window})"
+    )
+    if tpb > _DEFAULT_TOKENS_PER_BLOCK:
+        small, _ = _one_sequence(
+            preset,
+            max_seq_len,
+            _DEFAULT_TOKENS_PER_BLOCK,
+            args.kv_cache_dtype,
+            chunk,
+            args.max_draft_tokens,
+        )
+        if memory >= small:
+            return (
+                f"{head}: the block size is the problem: every block holds "
+                f"--tokens-per-block {tpb:,} tokens' worth of memory however few the window "
+                f"keeps, and with {_DEFAULT_TOKENS_PER_BLOCK} (the default) one needs only "
+                f"{format_size(small)}; give a smaller --tokens-per-block"
+            )
+    return f"{head}; give more --memory or a shorter --max-seq-len"
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     preset = load_model(args.model)
     memory: int = args.memory
@@ -461,11 +556,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         preset, max_seq_len, tpb, dtype_choice, chunk, args.max_draft_tokens
     )
     if memory < need:
-        raise ValueError(
-            f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "
-            f"{preset.name}: one needs {format_size(need)} ({per_window}); give more "
-            "--memory or a shorter --max-seq-len"
-        )
+        raise ValueError(_too_small(args, preset, memory, need, per_window, max_seq_len, chunk))
     plan = make_plan(
         preset,
         memory,
@@ -579,19 +670,53 @@ _positive_int32 = _int_in(1, _INT32_MAX, "the core stores it as a 32-bit integer
 _non_negative_int32 = _int_in(0, _INT32_MAX, "the core stores it as a 32-bit integer")
 
 
-def _size(text: str) -> int:
-    """An argparse type: a byte count such as ``80GiB``, at most :data:`MAX_SIZE_BYTES`."""
-    try:
-        value = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value > MAX_SIZE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is {format_size(value) if value < 2**60 else f'{value:.3g} bytes'}, "
-            "more than 1 PiB, the most kvcache accepts: no single device or host has that "
-            "much memory"
-        )
-    return value
+_DECIMAL_UNITS = ("kb", "mb", "gb", "tb", "pb")
+_BARE_NUMBER_LIMIT = 2**20  # a unitless size below 1 MiB is a forgotten unit, not a budget
+
+
+def _size_type(notes: list[str]) -> Callable[[str], int]:
+    """An argparse type: a byte count such as ``80GiB``, at most :data:`MAX_SIZE_BYTES`.
+
+    A decimal unit (``80GB``) is taken as written and adds a note to ``notes`` saying the
+    bytes and the binary size; a unitless number below 1 MiB (``80``) is refused: the unit
+    was forgotten.
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value > MAX_SIZE_BYTES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {format_size(value) if value < 2**60 else f'{value:.3g} bytes'}, "
+                "more than 1 PiB, the most kvcache accepts: no single device or host has that "
+                "much memory"
+            )
+        number, unit = _split_unit(text)
+        if not unit and 0 < value < _BARE_NUMBER_LIMIT:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has no unit, so it means {value:,} bytes; write the unit, e.g. "
+                f"{number}GiB (or {number}B if you mean bytes)"
+            )
+        if unit.lower() in _DECIMAL_UNITS:
+            notes.append(
+                f"note: {text.strip()!r} is decimal: {value:,} bytes = {format_size(value)} "
+                f"({number}{unit[0].upper()}iB would be {parse_size(number + unit[0] + 'iB'):,} "
+                "bytes)"
+            )
+        return value
+
+    return parse
+
+
+def _split_unit(text: str) -> tuple[str, str]:
+    """``" 80 GB"`` -> ``("80", "GB")``: the number and the unit as written."""
+    s = text.strip()
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    return s[:i].strip(), s[i:]
 
 
 def _shares(text: str) -> str | tuple[float, ...]:
@@ -621,7 +746,13 @@ def _kv_cache_dtype(text: str) -> str | dict[int | str | None, str]:
     try:
         checked = KvCacheConfig(kv_cache_dtype=value).kv_cache_dtype
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        hint = ""
+        if isinstance(value, str):  # one dtype that is not one: maybe a KEY=DTYPE attempt
+            hint = (
+                "; to choose per window kind or size give KEY=DTYPE pairs, e.g. "
+                "full=fp8,sliding=bfloat16"
+            )
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
     if checked is None or isinstance(checked, str):
         return value
     return dict(checked)
@@ -633,7 +764,9 @@ def _version() -> str:
     return __version__
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvcache`` parser; size options add their notes (decimal units) to ``notes``."""
+    size = _size_type(notes if notes is not None else [])
     parser = _Parser(
         prog=_PROG,
         description="KV cache manager for LLM inference: model presets, memory planning and "
@@ -650,17 +783,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser(
         "plan", help="blocks, tokens and max concurrent sequences per window and share policy"
     )
-    p_plan.add_argument("--model", required=True, help="preset name or preset JSON file")
-    p_plan.add_argument(
-        "--memory", required=True, type=_size, help="primary KV memory, e.g. 80GiB (<= 1 PiB)"
-    )
+    assert isinstance(p_plan, _Parser)
+    p_plan.usage = "%(prog)s --model NAME|FILE.json --memory SIZE [options]"
+    p_plan.add_required("--model", help="preset name or preset JSON file")
+    p_plan.add_required("--memory", type=size, help="primary KV memory, e.g. 80GiB (<= 1 PiB)")
     p_plan.add_argument(
         "--max-seq-len",
         type=_positive_int32,
         default=None,
         help="sequence length to plan for (default: the model's max context)",
     )
-    p_plan.add_argument("--tokens-per-block", type=_positive_int32, default=32)
+    p_plan.add_argument(
+        "--tokens-per-block", type=_positive_int32, default=_DEFAULT_TOKENS_PER_BLOCK
+    )
     p_plan.add_argument(
         "--shares", type=_shares, default=None, help="an extra share list to compare, e.g. 0.2,0.8"
     )
@@ -704,7 +839,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_sim.add_argument("--model", default=None, help="preset name (default: gemma-3-12b)")
     p_sim.add_argument(
-        "--memory", type=_size, default=None, help="primary KV memory (default: 16GiB)"
+        "--memory", type=size, default=None, help="primary KV memory (default: 16GiB)"
     )
     p_sim.add_argument(
         "--shares",
@@ -791,14 +926,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p_sim.add_argument(
         "--host-cache",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="host (secondary) memory for offloaded reusable blocks, e.g. 8GiB (default: none)",
     )
     p_sim.add_argument(
         "--disk-cache",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="disk tier below the host cache (needs --host-cache), e.g. 64GiB; the report "
@@ -835,9 +970,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p_gen = sub.add_parser(
         "generate",
-        help="greedy generation with a Hugging Face model on kvcache (needs kvcache[torch])",
+        help="greedy generation with a Hugging Face model on kvcache (needs the torch extra: "
+        "pip install 'kvcache[torch]', or '.[torch]' in a checkout)",
     )
-    add_arguments(p_gen, _size, _positive_int32)
+    add_arguments(p_gen, size, _positive_int32)
     p_gen.set_defaults(func=_cmd_generate)
     return parser
 
@@ -861,12 +997,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     prog = _PROG  # "kvcache simulate" once the command is known, as argparse says it
     try:
-        parser = _build_parser()
+        notes: list[str] = []
+        parser = _build_parser(notes)
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return 2
         prog = f"{_PROG} {args.command}"
+        for note in dict.fromkeys(notes):  # a default such as generate's 16MiB adds none
+            print(f"{prog}: {note}", file=sys.stderr)
         return int(args.func(args))
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0

@@ -80,6 +80,20 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _positive_int32(name: str, value: object) -> int:
+    """A positive int that the core's 32-bit field holds (layer counts, heads, head sizes)."""
+    n = _positive_int(name, value)
+    if n > _INT32_MAX:
+        raise ValueError(
+            f"{name} = {n} is out of range [1, {_INT32_MAX}]: the core stores it as a 32-bit "
+            "integer"
+        )
+    return n
+
+
 def _non_negative_int(name: str, value: object) -> int:
     if not _is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -193,16 +207,18 @@ class ModelConfig:
     kv_factor: int = 2
 
     def __post_init__(self) -> None:
-        num_layers = _positive_int("num_layers", self.num_layers)
+        num_layers = _positive_int32("num_layers", self.num_layers)
         if not _is_int(self.kv_factor) or self.kv_factor not in (1, 2):
             raise ValueError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}")
         for name in ("num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if _is_int(value):
-                _positive_int(name, value)
+                _positive_int32(name, value)
                 continue
             items = _per_layer(name, value, num_layers, "int")
-            checked = tuple(_positive_int(f"{name}[{i}]", _as_int(h)) for i, h in enumerate(items))
+            checked = tuple(
+                _positive_int32(f"{name}[{i}]", _as_int(h)) for i, h in enumerate(items)
+            )
             object.__setattr__(self, name, checked)
         dtype = self.dtype
         if isinstance(dtype, str):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -482,10 +483,13 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy generation of ``max_new_tokens`` tokens per prompt, outputs in prompt order.
 
+        Every prompt is checked before anything runs: tokens must be ints (a float, a
+        string or a bool is refused, not converted) in ``[0, vocab)``.
+
         Raises:
-            ValueError: An empty prompt, a token outside the vocabulary, a sequence longer
-                than ``max_seq_len``, ``max_new_tokens < 1``.
-            RuntimeError: A request can never fit the pools.
+            ValueError: An empty prompt, a token that is not an int or lies outside the
+                vocabulary, a sequence longer than ``max_seq_len``, ``max_new_tokens`` below 1
+                or above ``max_seq_len``, a request that can never fit the pools.
         """
         return self.generate_detailed(prompts, max_new_tokens).tokens
 
@@ -535,27 +539,61 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Request]:
+        """The requests of one ``generate`` call, every input checked before any runs."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         limit = self._manager.max_seq_len
+        if max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens = {max_new_tokens} exceeds max_seq_len={limit}: no prompt "
+                "fits; give fewer new tokens or a larger max_seq_len"
+            )
+        if isinstance(prompts, (str, bytes)):
+            raise ValueError("prompts must be a list of token-id lists, got text")
         out = []
         for i, prompt in enumerate(prompts):
-            tokens = [int(t) for t in prompt]
-            if not tokens:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in tokens if not 0 <= t < self._vocab]
-            if bad:
-                raise ValueError(f"prompt {i}: token {bad[0]} is outside the vocabulary")
+            tokens = self._tokens(i, prompt)
             if len(tokens) + max_new_tokens - 1 > limit:
                 raise ValueError(
                     f"prompt {i}: {len(tokens)} tokens + {max_new_tokens} new exceed "
                     f"max_seq_len={limit}"
                 )
-            out.append(Request(self._next_id + i, tokens, max_new_tokens))
+            r = Request(self._next_id + i, tokens, max_new_tokens)
+            need = self._rm.get_blocks_to_run_alone(r, chunk_size=self._scheduler.max_chunk_size)
+            if not self._rm.fits_when_empty(need):
+                pools = ", ".join(f"window {w}: {self._primary[w]}" for w in self._windows)
+                wants = ", ".join(f"window {w}: {n}" for w, n in need.items())
+                raise ValueError(
+                    f"prompt {i}: {len(tokens)} tokens + {max_new_tokens} new can never fit "
+                    f"the KV pools (blocks: {pools}; it needs {wants}); give more memory or "
+                    "fewer new tokens"
+                )
+            out.append(r)
         self._next_id += len(out)
         return out
+
+    def _tokens(self, i: int, prompt: Sequence[int]) -> list[int]:
+        """Prompt ``i`` as ints in ``[0, vocab)``: a float, a string or a bool is refused, not
+        converted."""
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+        tokens: list[int] = []
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(
+                    f"prompt {i}: token {j} must be an int, got {type(t).__name__} {t!r}"
+                )
+            tokens.append(operator.index(t))
+        if not tokens:
+            raise ValueError(f"prompt {i} is empty")
+        bad = next((t for t in tokens if not 0 <= t < self._vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt {i}: token {bad} is outside the vocabulary [0, {self._vocab})"
+            )
+        return tokens
 
     def _step(self, active: list[Request], logits: dict[int, torch.Tensor]) -> None:
         out = self._scheduler.schedule(active)

@@ -109,8 +109,6 @@ def _load_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
         if not prompts:
             raise ValueError(f"{args.prompts}: no prompts")
         return prompts
-    if args.system_prompt_len < 0:
-        raise ValueError(f"--system-prompt-len must be >= 0, got {args.system_prompt_len}")
     rng = random.Random(args.seed)
     system = [rng.randrange(vocab) for _ in range(args.system_prompt_len)]
     return [
@@ -119,20 +117,53 @@ def _load_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     ]
 
 
+def _check_device(torch: Any, device: str) -> None:
+    """ValueError unless ``device`` names a device this torch can use: a CPU, or a CUDA device
+    with a CUDA build and a visible GPU."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a torch device; use cpu or cuda") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(
+            f"--device {device!r}: the engine serves CPU or CUDA models; use cpu or cuda"
+        )
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"--device {device}: this torch ({torch.__version__}) is built without CUDA; use "
+            "--device cpu, or install a CUDA build of torch"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible; use --device cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(
+            f"--device {device}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
+        )
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Runs ``kvcache generate`` and prints its report; returns the exit status."""
     try:
         import torch
 
-        from kvcache.engine import Engine, tiny_model
+        from kvcache.engine import Engine, tiny_config, tiny_model
     except ImportError as e:
         raise ValueError(
-            f"kvcache generate needs torch and transformers (pip install 'kvcache[torch]'): {e}"
+            "kvcache generate needs torch and transformers: pip install 'kvcache[torch]' "
+            f"(in a source checkout: pip install '.[torch]'); {e}"
         ) from None
     from kvcache.config import KvCacheConfig
 
+    _check_device(torch, args.device)
+    if args.system_prompt_len < 0:
+        raise ValueError(f"--system-prompt-len must be >= 0, got {args.system_prompt_len}")
+
+    # Everything is checked against the model's config before any weights are built.
     if args.model in _FAMILIES:
-        model = tiny_model(args.model, seed=args.seed, sliding_window=args.sliding_window)
+        hf_config = tiny_config(args.model, sliding_window=args.sliding_window)
         name = f"{args.model} (tiny, random weights)"
     else:
         path = Path(args.model)
@@ -141,18 +172,34 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"--model {args.model!r} is neither a family ({', '.join(_FAMILIES)}) nor a "
                 "local model directory with a config.json"
             )
+        from transformers import AutoConfig
+
+        auto_config: Any = AutoConfig
+        hf_config = auto_config.from_pretrained(path, local_files_only=True)
+        name = str(path)
+    text_config = hf_config.get_text_config()
+    vocab = int(text_config.vocab_size)
+    prompts = _load_prompts(args, vocab)
+    longest = max(len(p) for p in prompts)
+    max_seq_len = longest + args.max_new_tokens
+    context = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(context, int) and max_seq_len - 1 > context:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens:,} after prompts of up to {longest:,} "
+            f"tokens exceeds the model's context of {context:,} positions; give "
+            f"--max-new-tokens {max(1, context - longest + 1):,} or less"
+        )
+    if args.model in _FAMILIES:
+        model = tiny_model(args.model, seed=args.seed, sliding_window=args.sliding_window)
+    else:
         from transformers import AutoModelForCausalLM
 
         auto: Any = AutoModelForCausalLM
         model = auto.from_pretrained(
             path, local_files_only=True, attn_implementation="eager"
         ).eval()
-        name = str(path)
     torch.set_num_threads(args.threads)
     model = model.to(args.device)
-    vocab = int(model.config.get_text_config().vocab_size)
-    prompts = _load_prompts(args, vocab)
-    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens
     config = KvCacheConfig(
         tokens_per_block=args.tokens_per_block,
         enable_block_reuse=not args.no_reuse,
@@ -183,16 +230,16 @@ def run_cli(args: argparse.Namespace) -> int:
         "(prompt + generated)"
     )
     per_window = ", ".join(
-        f"window {w}: {100 * c.cache_hit_rate_per_window_size.get(w, 0.0):.1f} %" for w in windows
+        f"window {w}: {c.cache_hit_rate_per_window_size.get(w, 0.0):.1%}" for w in windows
     )
     print(
         f"reuse: {s.reused_tokens:,} of {s.prompt_tokens:,} prompt tokens "
-        f"({100 * s.token_hit_rate:.1f} %) not computed; block hit rate "
-        f"{100 * c.cache_hit_rate:.1f} % ({per_window})"
+        f"({s.token_hit_rate:.1%}) not computed; block hit rate "
+        f"{c.cache_hit_rate:.1%} ({per_window})"
     )
     occupancy = ", ".join(
         f"window {w}: {s.peak_used_blocks[w]}/{s.num_blocks[w]} "
-        f"({100 * s.peak_used_blocks[w] / max(1, s.num_blocks[w]):.0f} %)"
+        f"({s.peak_used_blocks[w] / max(1, s.num_blocks[w]):.0%})"
         for w in windows
     )
     print(f"peak occupancy (used / primary blocks): {occupancy}")

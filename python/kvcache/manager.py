@@ -199,6 +199,14 @@ def _optional_int(name: str, value: int | None) -> int | None:
     return value
 
 
+def _check_types(model: object, config: object) -> None:
+    """TypeError unless ``model`` is a ModelConfig and ``config`` a KvCacheConfig."""
+    if not isinstance(model, ModelConfig):
+        raise TypeError(f"model must be a kvcache.ModelConfig, got {type(model).__name__}")
+    if not isinstance(config, KvCacheConfig):
+        raise TypeError(f"config must be a kvcache.KvCacheConfig, got {type(config).__name__}")
+
+
 def _native_kwargs(
     model: ModelConfig,
     config: KvCacheConfig,
@@ -207,10 +215,7 @@ def _native_kwargs(
     max_batch_size: int,
     max_draft_tokens: int,
 ) -> dict[str, Any]:
-    if not isinstance(model, ModelConfig):
-        raise ValueError(f"model must be a kvcache.ModelConfig, got {type(model).__name__}")
-    if not isinstance(config, KvCacheConfig):
-        raise ValueError(f"config must be a kvcache.KvCacheConfig, got {type(config).__name__}")
+    _check_types(model, config)
     for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -347,7 +352,10 @@ class KVCacheManager(_core.KVCacheManager):
                 differ.
             KVCacheError: The pools could not be allocated.
             RuntimeError: This manager is already initialized; nothing was changed.
+            TypeError: ``model`` is not a :class:`ModelConfig` or ``config`` not a
+                :class:`KvCacheConfig`.
         """
+        _check_types(model, config)
         if primary_bytes is None:
             if config.max_gpu_total_bytes is not None:
                 primary_bytes = config.max_gpu_total_bytes

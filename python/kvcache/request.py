@@ -9,6 +9,7 @@ chooses them.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,13 +33,38 @@ class RequestState(enum.Enum):
     """Can never fit (longer than ``max_seq_len`` or than a window's whole pool)."""
 
 
+_MAX_ID = 2**63  # request ids: 0 <= id < 2**63, as the manager takes them
+_MAX_TOKEN = 2**31  # token ids: 0 <= token < 2**31 (32-bit in the core)
+
+
+def _check_tokens(request_id: int, prompt: Sequence[int]) -> None:
+    """ValueError unless every prompt token is an int (not a bool) in ``[0, 2**31)``."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"request {request_id}: the prompt must be token ids, got text")
+    tokens = list(prompt)
+    if not all(type(t) is int for t in tokens):  # the common case is one fast pass
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(
+                    f"request {request_id}: prompt[{i}] must be an int token id, got "
+                    f"{type(t).__name__} {t!r}"
+                )
+        tokens = [operator.index(t) for t in tokens]
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= _MAX_TOKEN:
+        i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < _MAX_TOKEN)
+        raise ValueError(
+            f"request {request_id}: prompt[{i}] = {t} is out of range [0, {_MAX_TOKEN - 1}]"
+        )
+
+
 @dataclass(eq=False)
 class Request:
     """One inference request as the KV cache layer sees it.
 
     Args:
-        request_id: Unique id (also the manager's sequence id).
-        prompt: Prompt token ids (non-empty, non-negative).
+        request_id: Unique id (also the manager's sequence id), ``0 <= id < 2**63``.
+        prompt: Prompt token ids (non-empty; ints, not bools, ``0 <= token < 2**31``).
         max_new_tokens: Tokens to generate (> 0).
         generated: Tokens generated so far (kept when the request is paused).
         lora_task_id: LoRA adapter id (part of the reuse key).
@@ -79,8 +105,11 @@ class Request:
     def __post_init__(self) -> None:
         if isinstance(self.request_id, bool) or not isinstance(self.request_id, int):
             raise ValueError(f"request_id must be an int, got {self.request_id!r}")
+        if not 0 <= self.request_id < _MAX_ID:
+            raise ValueError(f"request_id = {self.request_id} is out of range [0, {_MAX_ID - 1}]")
         if len(self.prompt) == 0:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+        _check_tokens(self.request_id, self.prompt)
         if (
             isinstance(self.max_new_tokens, bool)
             or not isinstance(self.max_new_tokens, int)
@@ -145,10 +174,22 @@ class Request:
                 f"request {self.request_id}: {len(tokens)} more tokens would exceed "
                 f"max_new_tokens={self.max_new_tokens}"
             )
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise ValueError(
+                    f"request {self.request_id}: tokens[{i}] must be an int token id, got "
+                    f"{type(t).__name__} {t!r}"
+                )
         if self.state is RequestState.CONTEXT:
             self.context_position = self.context_len
-        self.generated.extend(int(t) for t in tokens)
+        self.generated.extend(operator.index(t) for t in tokens)
         self.state = RequestState.FINISHED if self.is_finished else RequestState.GENERATION
+
+
+def _check_request(request: object) -> None:
+    """TypeError unless ``request`` is a :class:`Request` (a batch holds nothing else)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"request must be a kvcache.Request, got {type(request).__name__}")
 
 
 @dataclass
@@ -175,6 +216,7 @@ class ScheduledBatch:
 
     def add_context(self, request: Request, chunk_size: int | None = None) -> None:
         """Adds a context request; ``chunk_size`` defaults to the rest of its prompt."""
+        _check_request(request)
         remaining = request.context_len - request.context_position
         size = remaining if chunk_size is None else chunk_size
         if not 0 < size <= remaining:
@@ -185,6 +227,7 @@ class ScheduledBatch:
 
     def add_generation(self, request: Request, num_draft_tokens: int = 0) -> None:
         """Adds a generation request that verifies ``num_draft_tokens`` drafts this step."""
+        _check_request(request)
         if num_draft_tokens < 0 or num_draft_tokens > len(request.draft_tokens):
             raise ValueError(
                 f"request {request.request_id}: num_draft_tokens must be in "

@@ -94,6 +94,17 @@ class EventPublisher(Protocol):
         """Publishes the events of the step that just ended."""
 
 
+def _check_type(name: str, value: object, cls: type) -> None:
+    """TypeError naming the argument and the expected class, before any attribute is read."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a kvcache.{cls.__name__}, got {type(value).__name__}")
+
+
+def _as_dict(blocks: Mapping[int, int]) -> Any:
+    """A mapping as a dict for the core; anything else as is, for the core's ValueError."""
+    return dict(blocks) if isinstance(blocks, Mapping) else blocks
+
+
 class KVCacheResourceManager(ResourceEstimates):
     """Drives one :class:`kvcache.KVCacheManager` request by request, step by step.
 
@@ -112,6 +123,10 @@ class KVCacheResourceManager(ResourceEstimates):
     def __init__(
         self, manager: KVCacheManager, *, event_publisher: EventPublisher | None = None
     ) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise TypeError(
+                f"manager must be a kvcache.KVCacheManager, got {type(manager).__name__}"
+            )
         self._manager = manager
         self._event_publisher = event_publisher
         self._windows: list[int] = list(manager.window_sizes)
@@ -209,6 +224,10 @@ class KVCacheResourceManager(ResourceEstimates):
     def num_primary_blocks(self, window_size: int) -> int:
         """Primary blocks of a window's pool (its initial blocks under ``lend_free_memory``;
         ``manager.blocks_per_window`` has what it owns now)."""
+        if window_size not in self._primary:
+            raise ValueError(
+                f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
+            )
         return self._primary[window_size]
 
     def get_num_used_blocks(self, window_size: int) -> int:
@@ -220,15 +239,16 @@ class KVCacheResourceManager(ResourceEstimates):
         negative count is a credit: the window frees that many first). Per window this is
         ``blocks[w] <= get_num_free_blocks(w)``; under ``lend_free_memory`` the windows also
         compete for the memory they can borrow, which only this joint check sees."""
-        return bool(self._manager.can_allocate(dict(blocks)))
+        return bool(self._manager.can_allocate(_as_dict(blocks)))
 
     def fits_when_empty(self, blocks: Mapping[int, int]) -> bool:
         """Whether the pools could hold ``blocks[window]`` blocks of every window at once if
         nothing else held any (under ``lend_free_memory``: in the whole shared memory)."""
-        return bool(self._manager.fits_when_empty(dict(blocks)))
+        return bool(self._manager.fits_when_empty(_as_dict(blocks)))
 
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
+        _check_type("request", request, Request)
         return request.request_id in self._running
 
     # ------------------------------------------------------------------ step hooks
@@ -265,7 +285,9 @@ class KVCacheResourceManager(ResourceEstimates):
                 ``next_tokens`` not one per generation request.
             KeyError: (with ``next_tokens``) a generation request that holds no blocks.
             OutOfBlocksError: Some window lacks blocks; nothing was changed.
+            TypeError: ``batch`` is not a :class:`ScheduledBatch`.
         """
+        _check_type("batch", batch, ScheduledBatch)
         if next_tokens is not None and len(next_tokens) != len(batch.generation):
             raise ValueError(
                 f"next_tokens has {len(next_tokens)} tokens for {len(batch.generation)} "
@@ -319,7 +341,9 @@ class KVCacheResourceManager(ResourceEstimates):
             ValueError: A context request whose chunk ended its prompt got no generated
                 token, or one whose chunk did not end its prompt got one; a bad
                 ``rewind_len``.
+            TypeError: ``batch`` is not a :class:`ScheduledBatch`.
         """
+        _check_type("batch", batch, ScheduledBatch)
         for request, _ in batch.context:
             if request.request_id in self._running:
                 self._check_context_step(request)
@@ -350,6 +374,7 @@ class KVCacheResourceManager(ResourceEstimates):
 
     def free_resources(self, request: Request, *, store_for_reuse: bool = True) -> None:
         """Ends the request's sequence and returns its blocks (stored for reuse if enabled)."""
+        _check_type("request", request, Request)
         if request.request_id not in self._running:
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)

@@ -143,6 +143,7 @@ class CapacityScheduler:
             ``None``: the budget). Only with ``chunked_prefill``.
 
     Raises:
+        TypeError: ``resource_manager`` is not a :class:`KVCacheResourceManager`.
         ValueError: Unknown policy or bad limits.
     """
 
@@ -156,6 +157,11 @@ class CapacityScheduler:
         chunked_prefill: bool = True,
         max_chunk_size: int | None = None,
     ) -> None:
+        if not isinstance(resource_manager, KVCacheResourceManager):
+            raise TypeError(
+                "resource_manager must be a kvcache.KVCacheResourceManager, got "
+                f"{type(resource_manager).__name__}"
+            )
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         limit = resource_manager.max_batch_size

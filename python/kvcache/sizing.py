@@ -691,16 +691,16 @@ def blocks_per_window(
             if shares[w] > 0:
                 need_total = math.ceil(block_bytes / shares[w])
                 hint = (
-                    f"; a primary budget of at least {need_total} bytes "
-                    f"({format_size(need_total)}) is needed"
+                    f"; a primary budget of at least {format_size(need_total)} "
+                    f"({need_total:,} bytes) is needed"
                 )
             else:
                 hint = "; its share is 0"
             raise ValueError(
-                f"memory budget too small: window {w} gets {window_bytes} bytes "
-                f"(share {float(shares[w]):.4f} of {primary} bytes) but one block needs "
-                f"{block_bytes} bytes ({tpb} tokens x {bpt[w]} bytes per token), "
-                f"{missing} bytes short{hint}"
+                f"memory budget too small: window {w} gets {format_size(window_bytes)} "
+                f"(share {float(shares[w]):.4f} of {format_size(primary)}) but one block "
+                f"needs {format_size(block_bytes)} ({tpb} tokens x {bpt[w]:,} bytes per "
+                f"token), {format_size(missing)} short{hint}"
             )
         if cap is not None:
             n_primary = min(n_primary, cap)
@@ -760,23 +760,27 @@ _UNITS: dict[str, int] = {
     "mb": 1000**2,
     "gb": 1000**3,
     "tb": 1000**4,
+    "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
     "k": 1024,
     "m": 1024**2,
     "g": 1024**3,
     "t": 1024**4,
+    "p": 1024**5,
 }
 
 
 def parse_size(text: str | int) -> int:
     """Parses a byte count such as ``"80GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1e9"``.
 
-    Units (case-insensitive, optional space before them): ``B``; decimal ``KB MB GB TB``
-    (powers of 1000); binary ``KiB MiB GiB TiB`` and the short ``K M G T`` (powers of 1024).
-    A fractional result is rounded down to whole bytes.
+    Units (case-insensitive, optional space before them): ``B``; decimal ``KB MB GB TB PB``
+    (powers of 1000); binary ``KiB MiB GiB TiB PiB`` and the short ``K M G T P`` (powers of
+    1024). A number without a unit is bytes. A fractional result is rounded down to whole
+    bytes.
 
     Args:
         text: The size text, or an int that is returned as is.
@@ -793,7 +797,7 @@ def parse_size(text: str | int) -> int:
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise ValueError(f"invalid size {text!r}: must be >= 0")
+            raise ValueError(f"invalid size {text!r}: must be positive (or 0)")
         return text
     if not isinstance(text, str):
         raise ValueError(f"invalid size {text!r}: expected text such as '80GiB'")
@@ -806,7 +810,7 @@ def parse_size(text: str | int) -> int:
     if unit not in _UNITS:
         raise ValueError(
             f"invalid size {text!r}: unknown unit {s[i:]!r} "
-            "(use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+            "(use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB)"
         )
     try:
         value = Fraction(number)
@@ -815,7 +819,7 @@ def parse_size(text: str | int) -> int:
             f"invalid size {text!r}: expected a number and a unit, e.g. '80GiB'"
         ) from None
     if value < 0:
-        raise ValueError(f"invalid size {text!r}: must be >= 0")
+        raise ValueError(f"invalid size {text!r}: must be positive (or 0), e.g. '80GiB'")
     return math.floor(value * _UNITS[unit])
 
 
@@ -827,8 +831,8 @@ def format_size(nbytes: int) -> str:
         ('80.0 GiB', '1.50 KiB', '100 B')
     """
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
             if unit == "B":
                 return f"{int(value)} B"
             digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0

@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, _core
+from kvcache import (
+    CapacityScheduler,
+    KvCacheConfig,
+    KVCacheManager,
+    KVCacheResourceManager,
+    ModelConfig,
+    Request,
+    ScheduledBatch,
+    _core,
+)
 
 MODEL = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
 I63 = 2**63
@@ -477,3 +486,576 @@ def test_estimate_methods_reject_bad_arguments_and_change_nothing() -> None:
     # releases nothing yet (its first query, at position 4, still sees position 0).
     assert kv.get_step_needs([], [], [1], [6]) == [2, 2]
     kv.check_invariants()
+
+
+# --------------------------------------------------------------------------------------
+# Every public callable: the documented exception, a message naming the mistake, and the
+# manager exactly as it was
+# --------------------------------------------------------------------------------------
+
+
+def _state(m: KVCacheManager) -> tuple[object, ...]:
+    """Everything a failed call must leave alone: sequences, their blocks, the free pools."""
+    windows = m.window_sizes
+    return (
+        m.num_sequences,
+        m.num_tokens(1),
+        m.prompt_length(1),
+        tuple(tuple(m.get_cache_block_ids(1, w)) for w in windows),
+        tuple(m.get_num_free_blocks(w) for w in windows),
+        tuple(m.get_num_used_blocks(w) for w in windows),
+        m.get_kv_cache_stats().reused_blocks,
+    )
+
+
+Row = tuple[str, Callable[[KVCacheManager], object], type[Exception], str]
+
+BAD_CALLS: list[Row] = [
+    # add_sequence / prepare / lookups: the prompt
+    ("add_sequence-text", lambda m: m.add_sequence(2, "abc"), ValueError, "tokens must be a"),
+    ("add_sequence-float", lambda m: m.add_sequence(2, [1.5]), ValueError, "got float"),
+    ("add_sequence-none", lambda m: m.add_sequence(2, None), ValueError, "tokens must be a"),
+    ("add_sequence-duplicate", lambda m: m.add_sequence(1, [1]), ValueError, "already registered"),
+    ("add_sequence-empty", lambda m: m.add_sequence(2, []), ValueError, "prompt is empty"),
+    ("add_sequence-long", lambda m: m.add_sequence(2, [1] * 65), ValueError, "exceeds max_seq_len"),
+    (
+        "add_sequence-prefill",
+        lambda m: m.add_sequence(2, [1], prefill=True),
+        ValueError,
+        "prefill must be an int",
+    ),
+    ("prepare-text", lambda m: m.prepare("ab"), ValueError, "tokens must be a"),
+    (
+        "get_reusable_prefix_length-text",
+        lambda m: m.get_reusable_prefix_length("ab"),
+        ValueError,
+        "tokens must be a",
+    ),
+    (
+        "get_num_blocks_to_allocate-float",
+        lambda m: m.get_num_blocks_to_allocate([1.5]),
+        ValueError,
+        "got float",
+    ),
+    # per-step calls
+    ("add_token-text", lambda m: m.add_token(1, "x"), ValueError, "token must be an int, got str"),
+    (
+        "add_tokens-mismatch",
+        lambda m: m.add_tokens([1], [1, 2]),
+        ValueError,
+        "1 request ids but 2 tokens",
+    ),
+    ("add_tokens-none", lambda m: m.add_tokens(None, [1]), ValueError, "request_ids must be a"),
+    ("prefill-text", lambda m: m.prefill(1, "2"), ValueError, "num_tokens must be an int"),
+    ("rewind-too-far", lambda m: m.rewind(1, 6), ValueError, "cannot drop 6"),
+    ("remove_sequence-unknown", lambda m: m.remove_sequence(7), KeyError, "unknown request id 7"),
+    (
+        "remove_sequence-text",
+        lambda m: m.remove_sequence("1"),
+        ValueError,
+        "request_id must be an int",
+    ),
+    (
+        "store_context_blocks-none",
+        lambda m: m.store_context_blocks(None),
+        ValueError,
+        "request_id must be an int",
+    ),
+    # pins
+    ("pin_blocks-unknown", lambda m: m.pin_blocks(9), KeyError, "unknown request id 9"),
+    (
+        "unpin_blocks_by_id-dict-of-int",
+        lambda m: m.unpin_blocks_by_id({64: 5}),
+        ValueError,
+        r"block_ids\[64\] must be a list of block ids, got int",
+    ),
+    (
+        "unpin_blocks_by_id-none",
+        lambda m: m.unpin_blocks_by_id(None),
+        ValueError,
+        "block_ids must be a list of block ids or the",
+    ),
+    ("unpin_blocks_by_id-text", lambda m: m.unpin_blocks_by_id("x"), ValueError, "got str"),
+    (
+        "unpin_blocks_by_id-float",
+        lambda m: m.unpin_blocks_by_id([1.0]),
+        ValueError,
+        "block_ids must hold ints, got float",
+    ),
+    (
+        "unpin_blocks_by_id-negative",
+        lambda m: m.unpin_blocks_by_id([-1]),
+        ValueError,
+        r"block_ids\[0\] = -1 is out of range",
+    ),
+    (
+        "unpin_blocks_by_id-window-key",
+        lambda m: m.unpin_blocks_by_id({"8": [0]}),
+        ValueError,
+        "window_size must be an int, got str",
+    ),
+    (
+        "unpin_blocks_by_id-dict-and-window",
+        lambda m: m.unpin_blocks_by_id({8: [0]}, 8),
+        ValueError,
+        "goes with a list",
+    ),
+    # capacity queries: a dict {window: blocks}, as can_allocate documents
+    (
+        "can_allocate-list",
+        lambda m: m.can_allocate([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
+    (
+        "fits_when_empty-list",
+        lambda m: m.fits_when_empty([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
+    ("fits_when_empty-none", lambda m: m.fits_when_empty(None), ValueError, "got NoneType"),
+    (
+        "can_allocate-window",
+        lambda m: m.can_allocate({5: 1}),
+        ValueError,
+        "window_size 5 is not one of",
+    ),
+    (
+        "fits_when_empty-window",
+        lambda m: m.fits_when_empty({5: 1}),
+        ValueError,
+        "window_size 5 is not one of",
+    ),
+    (
+        "get_num_free_blocks-text",
+        lambda m: m.get_num_free_blocks("8"),
+        ValueError,
+        "window_size must be an int",
+    ),
+    ("get_num_used_blocks-window", lambda m: m.get_num_used_blocks(5), ValueError, "window_size 5"),
+    (
+        "get_num_shared_blocks-window",
+        lambda m: m.get_num_shared_blocks(5),
+        ValueError,
+        "window_size 5",
+    ),
+    (
+        "get_num_held_blocks-unknown",
+        lambda m: m.get_num_held_blocks(9, 8),
+        KeyError,
+        "unknown request id 9",
+    ),
+    # per-request queries
+    (
+        "get_cache_block_ids-no-window",
+        lambda m: m.get_cache_block_ids(1),
+        ValueError,
+        "window_size is required",
+    ),
+    ("num_tokens-unknown", lambda m: m.num_tokens(9), KeyError, "unknown request id 9"),
+    ("prompt_length-unknown", lambda m: m.prompt_length(9), KeyError, "unknown request id 9"),
+    (
+        "get_request_stats-unknown",
+        lambda m: m.get_request_stats(9),
+        KeyError,
+        "unknown request id 9",
+    ),
+    (
+        "is_sequence_valid_for_reuse-unknown",
+        lambda m: m.is_sequence_valid_for_reuse(9),
+        KeyError,
+        "unknown request id 9",
+    ),
+    (
+        "get_sequence_step_needs-unknown",
+        lambda m: m.get_sequence_step_needs(9, 1),
+        KeyError,
+        "unknown request id 9",
+    ),
+    # estimates
+    (
+        "get_step_needs-none",
+        lambda m: m.get_step_needs(None, [], [], []),
+        ValueError,
+        "must be a sequence",
+    ),
+    (
+        "get_remaining_blocks-pairs",
+        lambda m: m.get_remaining_blocks([1], [1, 2]),
+        ValueError,
+        "must pair up",
+    ),
+    (
+        "get_blocks_to_run_alone-negative",
+        lambda m: m.get_blocks_to_run_alone(-1, 3),
+        ValueError,
+        "prompt_len = -1 is out of range",
+    ),
+    (
+        "get_prompt_step_needs-list",
+        lambda m: m.get_prompt_step_needs([1, 2], 1),
+        TypeError,
+        "get_prompt_step_needs",
+    ),
+    # memory views and events
+    (
+        "get_buffers-layer",
+        lambda m: m.get_buffers(2),
+        ValueError,
+        r"layer_idx 2 is out of range \[0, 2\)",
+    ),
+    (
+        "copy_block_offsets-list",
+        lambda m: m.copy_block_offsets([[1]], [1]),
+        ValueError,
+        "out must be a numpy.ndarray",
+    ),
+    (
+        "get_latest_events-text",
+        lambda m: m.get_latest_events(timeout_ms="1"),
+        ValueError,
+        "timeout_ms must be an int",
+    ),
+    # constructors and the classes around the manager
+    (
+        "KVCacheManager-model",
+        lambda m: KVCacheManager(
+            "m", KvCacheConfig(), max_seq_len=64, max_batch_size=4, primary_bytes=1 << 20
+        ),
+        TypeError,
+        "model must be a kvcache.ModelConfig, got str",
+    ),
+    (
+        "KVCacheManager-config",
+        lambda m: KVCacheManager(
+            MODEL, None, max_seq_len=64, max_batch_size=4, primary_bytes=1 << 20
+        ),
+        TypeError,
+        "config must be a kvcache.KvCacheConfig, got NoneType",
+    ),
+    (
+        "from_blocks-model",
+        lambda m: KVCacheManager.from_blocks(
+            "m", KvCacheConfig(), {64: 8}, max_seq_len=64, max_batch_size=4
+        ),
+        TypeError,
+        "model must be a kvcache.ModelConfig, got str",
+    ),
+    (
+        "KVCacheResourceManager-none",
+        lambda m: KVCacheResourceManager(None),
+        TypeError,
+        "manager must be a kvcache.KVCacheManager, got NoneType",
+    ),
+    (
+        "CapacityScheduler-text",
+        lambda m: CapacityScheduler("rm"),
+        TypeError,
+        "resource_manager must be a kvcache.KVCacheResourceManager, got str",
+    ),
+    (
+        "ModelConfig-num_layers",
+        lambda m: ModelConfig(num_layers=I63, num_kv_heads=1, head_dim=4),
+        ValueError,
+        r"num_layers = 9223372036854775808 is out of range \[1, 2147483647\]",
+    ),
+    (
+        "ModelConfig-head_dim",
+        lambda m: ModelConfig(num_layers=2, num_kv_heads=1, head_dim=I31),
+        ValueError,
+        "head_dim = 2147483648 is out of range",
+    ),
+    (
+        "ModelConfig-num_kv_heads",
+        lambda m: ModelConfig(num_layers=2, num_kv_heads=[1, I31], head_dim=4),
+        ValueError,
+        r"num_kv_heads\[1\] = 2147483648",
+    ),
+    (
+        "Request-negative-id",
+        lambda m: Request(-1, [1], 1),
+        ValueError,
+        r"request_id = -1 is out of range \[0, 9223372036854775807\]",
+    ),
+    (
+        "Request-id-2**63",
+        lambda m: Request(I63, [1], 1),
+        ValueError,
+        "request_id = 9223372036854775808 is out of range",
+    ),
+    (
+        "Request-nan",
+        lambda m: Request(1, [float("nan")], 1),
+        ValueError,
+        r"prompt\[0\] must be an int token id, got float nan",
+    ),
+    (
+        "Request-bool",
+        lambda m: Request(1, [True], 1),
+        ValueError,
+        r"prompt\[0\] must be an int token id, got bool",
+    ),
+    (
+        "Request-text",
+        lambda m: Request(1, "ab", 1),
+        ValueError,
+        "the prompt must be token ids, got text",
+    ),
+    (
+        "Request-token-2**31",
+        lambda m: Request(1, [I31], 1),
+        ValueError,
+        r"prompt\[0\] = 2147483648 is out of range",
+    ),
+    # the resource manager's hooks, over the same manager
+    (
+        "KVCacheResourceManager.prepare_resources-list",
+        lambda m: KVCacheResourceManager(m).prepare_resources([1]),
+        TypeError,
+        "batch must be a kvcache.ScheduledBatch, got list",
+    ),
+    (
+        "KVCacheResourceManager.update_resources-none",
+        lambda m: KVCacheResourceManager(m).update_resources(None),
+        TypeError,
+        "batch must be a kvcache.ScheduledBatch, got NoneType",
+    ),
+    (
+        "KVCacheResourceManager.free_resources-int",
+        lambda m: KVCacheResourceManager(m).free_resources(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
+    ),
+    (
+        "KVCacheResourceManager.has_request-int",
+        lambda m: KVCacheResourceManager(m).has_request(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
+    ),
+    (
+        "KVCacheResourceManager.num_primary_blocks-window",
+        lambda m: KVCacheResourceManager(m).num_primary_blocks(5),
+        ValueError,
+        r"window_size 5 is not one of this manager's windows \[8, 64\]",
+    ),
+    (
+        "KVCacheResourceManager.can_allocate-list",
+        lambda m: KVCacheResourceManager(m).can_allocate([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
+    (
+        "KVCacheResourceManager.fits_when_empty-list",
+        lambda m: KVCacheResourceManager(m).fits_when_empty([1]),
+        ValueError,
+        "blocks must be a dict {window: blocks}, got list",
+    ),
+    (
+        "Request.append_tokens-float",
+        lambda m: Request(1, [1], 2).append_tokens([1.5]),
+        ValueError,
+        r"request 1: tokens\[0\] must be an int token id, got float 1.5",
+    ),
+    (
+        "ScheduledBatch.add_context-none",
+        lambda m: ScheduledBatch().add_context(None),
+        TypeError,
+        "request must be a kvcache.Request, got NoneType",
+    ),
+    (
+        "ScheduledBatch.add_generation-int",
+        lambda m: ScheduledBatch().add_generation(1),
+        TypeError,
+        "request must be a kvcache.Request, got int",
+    ),
+    (
+        "Request-negative-token",
+        lambda m: Request(1, [0, -3], 1),
+        ValueError,
+        r"prompt\[1\] = -3 is out of range",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "phrase"), [r[1:] for r in BAD_CALLS], ids=[r[0] for r in BAD_CALLS]
+)
+def test_every_public_callable_rejects_bad_input_and_changes_nothing(
+    call: Callable[[KVCacheManager], object], exc: type[Exception], phrase: str
+) -> None:
+    m = make()
+    m.add_sequence(3, [9, 9, 9, 9, 9, 9])
+    m.pin_blocks(3)  # something to unpin wrongly
+    before = _state(m)
+    with pytest.raises(exc, match=phrase):
+        call(m)
+    assert _state(m) == before
+    assert m.num_tokens(3) == 6
+    m.check_invariants()
+
+
+def test_bad_call_table_covers_every_public_manager_method() -> None:
+    """A new public method needs a row above (properties are read, not called with input)."""
+    covered = {name.split("-")[0] for name, *_ in BAD_CALLS}
+    no_input = {"check_invariants", "refresh_blocks", "get_kv_cache_stats"}
+    methods = {
+        n
+        for n in dir(KVCacheManager)
+        if not n.startswith("_") and callable(getattr(KVCacheManager, n))
+    }
+    elsewhere = {
+        "has_sequence",  # test_has_sequence_of_a_negative_id_is_false
+        "get_prompt_remaining_blocks",  # test_estimate_methods_reject_bad_arguments...
+    }
+    assert methods - no_input - covered - elsewhere == set(), sorted(methods - covered)
+
+
+# --------------------------------------------------------------------------------------
+# Objects made with __new__: every bound class refuses them
+# --------------------------------------------------------------------------------------
+
+_UNINITIALIZED_OBJECTS_SCRIPT = """
+import json
+import numpy as np
+import kvcache
+from kvcache import _core
+model = kvcache.ModelConfig(num_layers=1, num_kv_heads=1, head_dim=4)
+config = kvcache.KvCacheConfig(tokens_per_block=4, backend="host")
+live = kvcache.KVCacheManager.from_blocks(model, config, {64: 8}, max_seq_len=64, max_batch_size=2)
+buf = _core.LayerBuffer.__new__(_core.LayerBuffer)
+prompt = _core.PreparedPrompt.__new__(_core.PreparedPrompt)
+sched = _core.CapacityScheduler.__new__(_core.CapacityScheduler)
+bare = _core.KVCacheManager.__new__(_core.KVCacheManager)
+calls = {
+    "LayerBuffer.shape": lambda: buf.shape,
+    "LayerBuffer.strides": lambda: buf.strides,
+    "LayerBuffer.data_ptr": lambda: buf.data_ptr,
+    "LayerBuffer.dtype": lambda: buf.dtype,
+    "LayerBuffer.__dlpack_device__": lambda: buf.__dlpack_device__(),
+    "LayerBuffer.__dlpack__": lambda: buf.__dlpack__(),
+    "LayerBuffer.__cuda_array_interface__": lambda: buf.__cuda_array_interface__,
+    "np.from_dlpack(LayerBuffer)": lambda: np.from_dlpack(buf),
+    "PreparedPrompt.__len__": lambda: len(prompt),
+    "PreparedPrompt.tokens": lambda: prompt.tokens,
+    "PreparedPrompt.__repr__": lambda: repr(prompt),
+    "add_sequence(PreparedPrompt)": lambda: live.add_sequence(5, prompt),
+    "get_prompt_remaining_blocks(PreparedPrompt)": (
+        lambda: live.get_prompt_remaining_blocks(prompt, 10)
+    ),
+    "get_reusable_prefix_length(PreparedPrompt)": lambda: live.get_reusable_prefix_length(prompt),
+    "CapacityScheduler.never_fits": lambda: sched.never_fits(1, 1),
+    "CapacityScheduler.schedule": lambda: sched.schedule([], None, None, [], [], []),
+    "KVCacheManager.get_step_needs": lambda: bare.get_step_needs([1], [1], [], []),
+    "KVCacheManager.get_num_shared_blocks": lambda: bare.get_num_shared_blocks(64),
+    "KVCacheManager.get_blocks_to_run_alone": lambda: bare.get_blocks_to_run_alone(1, 2),
+}
+try:
+    import torch
+    calls["torch.from_dlpack(LayerBuffer)"] = lambda: torch.from_dlpack(buf)
+except ImportError:
+    pass
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = ["no error", ""]
+    except Exception as e:
+        out[name] = [type(e).__name__, str(e)]
+live.check_invariants()
+out["live manager"] = [str(live.num_sequences), ""]
+print(json.dumps(out))
+"""
+
+
+def test_objects_made_with_new_raise_instead_of_handing_out_garbage() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNINITIALIZED_OBJECTS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"interpreter died (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout)
+    assert results.pop("live manager") == ["0", ""]  # the failed add_sequence changed nothing
+    assert len(results) >= 19
+    for name, (exc_type, message) in results.items():
+        assert exc_type == "RuntimeError", (name, exc_type, message)
+        cls = name.split(".")[0].split("(")[-1].rstrip(")")
+        expected = {
+            "LayerBuffer": "LayerBuffer is not initialized: it was made with __new__; get one "
+            "from KVCacheManager.get_buffers()",
+            "PreparedPrompt": "PreparedPrompt is not initialized: it was made with __new__; get "
+            "one from KVCacheManager.prepare()",
+            "CapacityScheduler": "CapacityScheduler is not initialized: its __init__ never ran",
+            "KVCacheManager": "KVCacheManager is not initialized: its __init__ never ran",
+        }
+        key = next(k for k in expected if k in name)
+        assert message == expected[key], (name, cls, message)
+
+
+def test_second_init_of_a_native_scheduler_raises() -> None:
+    from kvcache import KVCacheResourceManager as RM
+
+    rm = RM(make())
+    native = _core.CapacityScheduler(rm.manager, "max_utilization", 4, None, True, None)
+    with pytest.raises(RuntimeError, match="CapacityScheduler is already initialized"):
+        native.__init__(rm.manager, "guaranteed_no_evict", 2, None, True, None)  # type: ignore[misc]
+    assert native.never_fits(5, 65) is True  # longer than max_seq_len: still the first one
+
+
+# --------------------------------------------------------------------------------------
+# Engine.generate: every prompt checked before anything runs
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvcache.engine import Engine, tiny_model
+
+    model = tiny_model("mistral", num_layers=1, sliding_window=16)  # vocabulary of 128
+    return Engine(
+        model,
+        KvCacheConfig(tokens_per_block=4),
+        max_seq_len=64,
+        max_batch_size=2,
+        blocks_per_window={16: 6},
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_new_tokens", "phrase"),
+    [
+        ([[1, 1.7]], 2, r"prompt 0: token 1 must be an int, got float 1.7"),
+        ([[1], ["5"]], 2, r"prompt 1: token 0 must be an int, got str '5'"),
+        ([[True]], 2, r"prompt 0: token 0 must be an int, got bool"),
+        ([[1, 128]], 2, r"prompt 0: token 128 is outside the vocabulary \[0, 128\)"),
+        ([[-1]], 2, r"prompt 0: token -1 is outside the vocabulary"),
+        ([[]], 2, "prompt 0 is empty"),
+        (["abc"], 2, "prompt 0 must be a list of token ids, got str"),
+        ([[1]], 65, "max_new_tokens = 65 exceeds max_seq_len=64"),
+        ([[1] * 60], 10, r"prompt 0: 60 tokens \+ 10 new exceed max_seq_len=64"),
+        ([[1]], 2.0, "max_new_tokens must be an int"),
+        ([[1]], True, "max_new_tokens must be an int"),
+        # 6 blocks of 4 tokens in the only window (16): a 40-token prompt, prefilled whole,
+        # holds 10 at once, more than the pool ever has.
+        ([[1, 2], [1] * 40], 11, r"prompt 1: 40 tokens \+ 11 new can never fit the KV pools"),
+    ],
+)
+def test_engine_generate_rejects_bad_prompts_before_running(
+    engine: Any, prompts: Any, max_new_tokens: Any, phrase: str
+) -> None:
+    before = engine.stats()
+    with pytest.raises(ValueError, match=phrase):
+        engine.generate(prompts, max_new_tokens)
+    after = engine.stats()
+    assert (after.steps, after.requests, after.prompt_tokens) == (
+        before.steps,
+        before.requests,
+        before.prompt_tokens,
+    )
+    assert engine.manager.num_sequences == 0
+    engine.manager.check_invariants()
+    assert engine.generate([[1, 2, 3]], 2) and engine.manager.num_sequences == 0

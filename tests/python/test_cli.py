@@ -287,7 +287,7 @@ def test_version() -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--memory", "10000TiB"], ["'10000TiB' is 10000 TiB, more than 1 PiB", "no single"]),
+        (["--memory", "10000TiB"], ["'10000TiB' is 9.77 PiB, more than 1 PiB", "no single"]),
         (["--memory", "1e30"], ["'1e30' is 1e+30 bytes, more than 1 PiB"]),
         (["--host-cache", "2048TiB"], ["argument --host-cache", "more than 1 PiB"]),
         (["--memory", "1000TiB"], ["87,381,333 blocks", "70 bytes of bookkeeping per block"]),
@@ -549,3 +549,157 @@ def test_progress_bar_counts_steps_like_the_report() -> None:
     bar = b"".join(chunks).decode().replace("\r\n", "\n").split("\r")[-1]
     steps = next(line.split()[2] for line in proc.stdout.splitlines() if "engine steps" in line)
     assert "100% " in bar and f" {steps} engine steps, running 0" in bar, bar
+
+
+# --------------------------------------------------------------------------------------
+# A newcomer's first hour: each mistake is one line naming the fix, status 2 (subprocess)
+# --------------------------------------------------------------------------------------
+
+GEMMA = ["--model", "gemma-3-27b"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        # a forgotten unit
+        (["--memory", "80"], ["'80' has no unit, so it means 80 bytes", "e.g. 80GiB"]),
+        # PiB is a unit (the limit message speaks of it), 2 PiB is over the limit
+        (["--memory", "2PiB"], ["'2PiB' is 2.00 PiB, more than 1 PiB"]),
+        (["--memory", "2PB"], ["'2PB' is 1.78 PiB, more than 1 PiB"]),
+        # a negative size reaches the size check instead of "expected one argument"
+        (["--memory", "-5GiB"], ["invalid size '-5GiB': must be positive"]),
+        # the block size, not the memory, is the problem
+        (
+            ["--memory", "80GiB", "--tokens-per-block", "100000"],
+            [
+                "the block size is the problem",
+                "with 32 (the default) one needs only 13.7 GiB",
+                "give a smaller --tokens-per-block",
+            ],
+        ),
+        # an unknown option is named (with the closest one), as simulate does, before the
+        # missing required option
+        (["--memry", "80GiB"], ["unrecognized arguments: --memry 80GiB (did you mean --memory?)"]),
+        # one dtype that is not one: the KEY=DTYPE form is named
+        (
+            ["--memory", "80GiB", "--kv-cache-dtype", "full:fp8"],
+            ["got 'full:fp8'", "KEY=DTYPE pairs, e.g. full=fp8,sliding=bfloat16"],
+        ),
+    ],
+)
+def test_plan_newcomer_mistakes_are_one_line(args: list[str], fragments: list[str]) -> None:
+    assert_usage_error(kvcache_run("plan", *GEMMA, *args), *fragments)
+
+
+def test_simulate_names_a_typo_like_plan() -> None:
+    line = assert_usage_error(kvcache_run("simulate", "--memry", "80GiB"))
+    assert line == (
+        "kvcache simulate: error: unrecognized arguments: --memry 80GiB (did you mean --memory?)"
+    )
+    line = assert_usage_error(kvcache_run("plan", "--memory", "1GiB"))
+    assert line == "kvcache plan: error: the following arguments are required: --model"
+
+
+def test_a_decimal_size_is_taken_with_a_note() -> None:
+    proc = kvcache_run("plan", *GEMMA, "--memory", "80GB", "--max-seq-len", "32768", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["memory_bytes"] == 80 * 10**9
+    assert proc.stderr == (
+        "kvcache plan: note: '80GB' is decimal: 80,000,000,000 bytes = 74.5 GiB "
+        "(80GiB would be 85,899,345,920 bytes)\n"
+    )
+    proc = kvcache_run("plan", *GEMMA, "--memory", "80GiB", "--max-seq-len", "32768")
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_plan_of_a_single_window_model_prints_one_table() -> None:
+    proc = kvcache_run("plan", "--model", "llama-3.1-8b", "--memory", "80GiB")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.count("   window layers") == 1
+    assert (
+        "equal, proportional, auto, all layers full attention (one window: the whole budget):"
+        in out
+    )
+    assert "-> at most 5 concurrent sequences of 131,072 tokens" in out
+    # one window at this length, but the baseline (all full attention) differs: two tables
+    proc = kvcache_run("plan", "--model", "mistral-7b-v0.1", "--memory", "80GiB")
+    assert proc.stdout.count("   window layers") == 2
+    assert "equal, proportional, auto (one window: the whole budget):" in proc.stdout
+    # two windows: one table per policy and the baseline, as before
+    proc = kvcache_run("plan", *GEMMA, "--memory", "80GiB", "--max-seq-len", "32768")
+    assert proc.stdout.count("   window layers") == 4
+
+
+def test_simulate_memory_zero_prints_sizes_not_raw_bytes() -> None:
+    line = assert_usage_error(kvcache_run("simulate", "--memory", "0", "--num-conversations", "2"))
+    assert "window 1024 gets 0 B (share 0.5000 of 0 B) but one block needs 10.0 MiB" in line
+    assert "a primary budget of at least 20.0 MiB (20,971,520 bytes) is needed" in line
+    assert "10485760" not in line
+
+
+def test_simulate_short_max_seq_len_says_what_it_dropped() -> None:
+    proc = kvcache_run("simulate", "--max-seq-len", "512", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "kvcache simulate: warning: --max-seq-len 512 ends conversations early: the built-in "
+        "workload has 4 requests instead of 1,003 at the default 8,192 (a conversation ends at "
+        "its first turn over the limit)",
+        "kvcache simulate: warning: --max-seq-len 512 is not longer than the sliding window "
+        "1,024 of gemma-3-12b: those layers run as full attention, so the run has 1 window "
+        "instead of 2",
+    ]
+    assert "4 requests, one per turn" in proc.stdout
+    # the default length and a trace change nothing: no warning
+    proc = kvcache_run("simulate", *TINY, "--no-progress")
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_compare_shares_shows_the_hit_rate_and_defines_latency() -> None:
+    proc = kvcache_run("simulate", "--compare-shares", "--num-conversations", "20", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:24].strip(): line[24:].split() for line in proc.stdout.splitlines()}
+    assert rows["shares"] == ["equal", "proportional", "auto(L=2359)"]
+    rates = rows["prefix hit rate"]
+    assert len(rates) == 3 and all(r.endswith("%") and 0 < float(r[:-1]) <= 100 for r in rates)
+    assert "mean latency (steps)" in rows
+    assert (
+        "  latency: engine steps from a request's arrival to its last token (completed requests)"
+        in proc.stdout
+    )
+    # the single report defines it too
+    proc = kvcache_run("simulate", *TINY, "--no-progress")
+    assert "(engine steps from arrival to the last token, completed requests)" in proc.stdout
+
+
+def test_percentages_have_one_style() -> None:
+    """Every percentage the commands print is written ``36.9%``, never ``36.9 %``."""
+    import re
+
+    out = kvcache_run("simulate", *TINY, "--no-progress").stdout
+    out += kvcache_run("plan", *GEMMA, "--memory", "80GiB").stdout
+    assert re.search(r"\d %", out) is None
+    assert re.search(r"\d%", out) is not None
+
+
+_NO_TORCH = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, _Block())
+from kvcache.cli import main
+sys.exit(main(["generate"]))
+"""
+
+
+def test_generate_without_torch_names_both_install_commands() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, timeout=60
+    )
+    line = assert_usage_error(proc)
+    assert line.startswith(
+        "kvcache generate: error: kvcache generate needs torch and transformers: pip install "
+        "'kvcache[torch]' (in a source checkout: pip install '.[torch]')"
+    ), line

@@ -267,10 +267,11 @@ def test_bad_input_is_refused_and_leaves_the_engine_usable() -> None:
             max_batch_size=2,
             memory="1MiB",
         )
-    with pytest.raises(RuntimeError, match="can never fit"):
-        _engine("mistral", blocks_per_window={WINDOW: 2}, chunked_prefill=False).generate(
-            [list(range(20))], 2
-        )
+    # A request that can never fit is refused before anything runs (issue 24), not mid-run.
+    small = _engine("mistral", blocks_per_window={WINDOW: 2}, chunked_prefill=False)
+    with pytest.raises(ValueError, match="20 tokens \\+ 2 new can never fit the KV pools"):
+        small.generate([list(range(20))], 2)
+    assert small.manager.num_sequences == 0 and small.stats().steps == 0
 
 
 def test_an_explicit_matching_window_pattern_is_accepted() -> None:

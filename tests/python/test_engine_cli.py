@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +75,66 @@ def test_generate_bad_input_is_one_line_and_status_2(
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvcache generate ARGS`` in a fresh interpreter, as a newcomer runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvcache.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _one_line_status_2(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_generate_on_a_device_torch_cannot_use_is_a_usage_error() -> None:
+    if torch.version.cuda is None:
+        expected = (
+            f"kvcache generate: error: --device cuda: this torch ({torch.__version__}) is built "
+            "without CUDA; use --device cpu, or install a CUDA build of torch"
+        )
+        assert _one_line_status_2(_generate("--device", "cuda")) == expected
+    elif not torch.cuda.is_available():
+        line = _one_line_status_2(_generate("--device", "cuda"))
+        assert line.endswith("--device cuda: no CUDA device is visible; use --device cpu")
+    else:
+        line = _one_line_status_2(_generate("--device", "cuda:99"))
+        assert "--device cuda:99: only" in line and "CUDA device(s) are visible" in line
+    line = _one_line_status_2(_generate("--device", "mps"))
+    assert line.endswith("--device 'mps': the engine serves CPU or CUDA models; use cpu or cuda")
+
+
+def test_generate_too_many_new_tokens_fails_before_the_model_is_built() -> None:
+    start = time.monotonic()
+    line = _one_line_status_2(_generate("--max-new-tokens", "100000"))
+    assert line == (
+        "kvcache generate: error: --max-new-tokens 100,000 after prompts of up to 96 tokens "
+        "exceeds the model's context of 1,024 positions; give --max-new-tokens 929 or less"
+    )
+    assert time.monotonic() - start < 60
+
+
+def test_generate_a_request_that_never_fits_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--num-prompts", "2", "--max-new-tokens", "500", "--memory", "100KiB"]
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "new can never fit the KV pools" in err[0], err
+    assert "give more memory or fewer new tokens" in err[0]
+
+
+def test_generate_percentages_have_the_report_style(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "mistral", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\d %", out) is None
+    assert re.search(r"block hit rate \d+\.\d%", out) is not None

@@ -512,16 +512,16 @@ def test_budget_too_small_names_window_and_bytes() -> None:
     with pytest.raises(ValueError) as info:
         blocks_per_window(m, c, 8192, primary_bytes=3 * block - 3)
     msg = str(info.value)
-    assert "window 1024 gets 4095 bytes" in msg
-    assert "one block needs 4096 bytes" in msg
-    assert "1 bytes short" in msg
-    assert "at least 12288 bytes" in msg
+    assert "window 1024 gets 4.00 KiB" in msg
+    assert "one block needs 4.00 KiB (16 tokens x 256 bytes per token)" in msg
+    assert "1 B short" in msg
+    assert "at least 12.0 KiB (12,288 bytes)" in msg
 
 
 def test_budget_zero_share_window_rejected() -> None:
     m, _ = three_window_model()
     c = KvCacheConfig(max_attention_window=[1, 2, 3], window_size_shares=[0, 1, 1])
-    with pytest.raises(ValueError, match=r"window 1 gets 0 bytes.*its share is 0"):
+    with pytest.raises(ValueError, match=r"window 1 gets 0 B.*its share is 0"):
         blocks_per_window(m, c, 8, primary_bytes=10**9)
 
 

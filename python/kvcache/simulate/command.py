@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.config import SHARE_POLICIES
-from kvcache.models import load_model
+from kvcache.models import ModelPreset, load_model
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -42,7 +42,7 @@ from kvcache.simulate.workload import (
     default_workload,
     read_trace,
 )
-from kvcache.sizing import format_size, parse_size, resolve_share_policy
+from kvcache.sizing import format_size, parse_size, resolve_share_policy, window_sizes
 
 __all__ = ["check_output_path", "run_cli"]
 
@@ -132,6 +132,41 @@ def _workload(
     return trace, text, info
 
 
+def _length_warnings(args: argparse.Namespace, model: ModelPreset, requests: int) -> list[str]:
+    """What a short ``--max-seq-len`` changes besides the limit, one line each: the built-in
+    workload ends conversations early (fewer requests than at the default length), and a
+    sliding window not shorter than the limit becomes full attention (one window fewer)."""
+    limit = args.max_seq_len
+    if limit is None:
+        return []
+    out = []
+    if args.trace is None and limit < DEFAULT_MAX_SEQ_LEN:
+        full = default_workload(
+            seed=args.seed or 0,
+            num_conversations=args.num_conversations or DEFAULT_CONVERSATIONS,
+            max_seq_len=DEFAULT_MAX_SEQ_LEN,
+        )
+        if requests < len(full):
+            out.append(
+                f"--max-seq-len {limit:,} ends conversations early: the built-in workload has "
+                f"{requests:,} requests instead of {len(full):,} at the default "
+                f"{DEFAULT_MAX_SEQ_LEN:,} (a conversation ends at its first turn over the limit)"
+            )
+    config = model.kv_cache_config()
+    pattern = {w for w in config.max_attention_window or [] if w is not None}
+    merged = sorted(w for w in pattern if w >= limit)
+    if merged:
+        n = len(window_sizes(model.model, config, limit))
+        before = len(window_sizes(model.model, config, max(pattern) + 1))
+        out.append(
+            f"--max-seq-len {limit:,} is not longer than the sliding window"
+            f"{'s' if len(merged) > 1 else ''} {', '.join(f'{w:,}' for w in merged)} of "
+            f"{model.name}: those layers run as full attention, so the run has {n} "
+            f"window{'s' if n > 1 else ''} instead of {before}"
+        )
+    return out
+
+
 def _all_rejected(report: SimulationReport, trace: Sequence[TraceRequest]) -> str:
     shortest = min(len(t.prompt) + len(t.output) - 1 for t in trace)
     if shortest > report.max_seq_len:
@@ -182,6 +217,7 @@ def run_cli(args: argparse.Namespace) -> int:
         check_output_path(args.plot, "--plot")
         check_plot_path(args.plot)
     trace, workload_text, workload_info = _workload(args)
+    warnings = _length_warnings(args, model, len(trace))  # printed once the runs succeeded
 
     show = not args.no_progress and sys.stderr.isatty()
     memory = args.memory if args.memory is not None else parse_size(DEFAULT_MEMORY)
@@ -233,6 +269,8 @@ def run_cli(args: argparse.Namespace) -> int:
         if r.completed == 0 and r.rejected == r.requests:
             raise ValueError(_all_rejected(r, trace))
 
+    for line in warnings:
+        print(f"kvcache simulate: warning: {line}", file=sys.stderr)
     if args.compare_shares:
         print(format_comparison(reports, workload=workload_text))
     else:

@@ -191,7 +191,8 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
         f"in {r.prefill_chunks:,} prefill chunks",
         f"  concurrency         mean {r.mean_concurrency:.1f}, peak {r.peak_concurrency}",
         f"  paused              {r.paused_requests:,} requests ({r.pause_events:,} pauses)",
-        f"  latency (steps)     mean {r.mean_latency_steps:,.0f}, p95 {r.p95_latency_steps:,.0f}",
+        f"  latency (steps)     mean {r.mean_latency_steps:,.0f}, p95 {r.p95_latency_steps:,.0f} "
+        "(engine steps from arrival to the last token, completed requests)",
         f"  manager time/step   mean {_us(r.manager_us_per_step)}, p99 {_us(r.manager_us_p99)}; "
         f"scheduler {_us(r.scheduler_us_per_step)}",
     ]
@@ -228,6 +229,13 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _rate(r: SimulationReport) -> str:
+    """The prefix-reuse hit rate as the report prints it, or why there is none."""
+    if not r.reuse_enabled:
+        return "off"
+    return "n/a" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
+
+
 def format_comparison(reports: Sequence[SimulationReport], *, workload: str | None = None) -> str:
     """Several runs of one workload side by side (one column per share policy).
 
@@ -243,7 +251,8 @@ def format_comparison(reports: Sequence[SimulationReport], *, workload: str | No
         ("peak concurrency", [str(r.peak_concurrency) for r in reports]),
         ("paused requests", [f"{r.paused_requests:,}" for r in reports]),
         ("rejected", [f"{r.rejected:,}" for r in reports]),
-        ("mean latency", [f"{r.mean_latency_steps:,.0f}" for r in reports]),
+        ("mean latency (steps)", [f"{r.mean_latency_steps:,.0f}" for r in reports]),
+        ("prefix hit rate", [_rate(r) for r in reports]),
     ]
     for i, w in enumerate(reports[0].windows):
         rows.append((f"window {w.window:,} blocks", [f"{r.windows[i].blocks:,}" for r in reports]))
@@ -265,6 +274,11 @@ def format_comparison(reports: Sequence[SimulationReport], *, workload: str | No
         lines.append(f"  {label:<22}" + "".join(f"{v:>{width + 2}}" for v in vals))
     for length in sorted({r.expected_seq_len for r in reports if r.expected_seq_len}):
         lines += ["", *("  " + x for x in _auto_note(length, "  "))]
+    lines += [
+        "",
+        "  latency: engine steps from a request's arrival to its last token (completed requests)",
+        "  prefix hit rate: prompt blocks found in the cache / prompt blocks looked up",
+    ]
     return "\n".join(lines)
 
 
