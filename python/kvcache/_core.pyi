@@ -236,6 +236,10 @@ class KVCacheManager:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
         """
+    def fork_sequence(self, parent_id: typing.SupportsIndex, child_ids: typing.Any) -> None:
+        """
+        Registers each child id (one id or a list) as a copy of request parent_id that shares every block the parent holds, in every window (no block is taken, nothing is copied). The first write into a shared block (add_tokens, prefill, rewind into it) copies that block first. Unknown parent: KeyError; a child id that is registered, repeated or the parent: ValueError. All or nothing.
+        """
     def get_blocks_to_run_alone(
         self,
         prompt_len: typing.SupportsIndex,
