@@ -210,6 +210,14 @@ std::vector<std::int64_t> KVCacheManager::GetBlocksToRunAlone(std::int32_t promp
   return out;
 }
 
+std::vector<std::int64_t> KVCacheManager::GetForkedBeamBlocks(std::int32_t fork_tokens,
+                                                              std::int32_t final_tokens) const {
+  if (fork_tokens < 1) ThrowInvalid("forked beam blocks: fork_tokens must be >= 1, got ", fork_tokens);
+  std::vector<std::int64_t> out(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) out[w] = bm::ForkedBeamBlocks(fork_tokens, final_tokens, keep_[w], tpb_);
+  return out;
+}
+
 std::int64_t KVCacheManager::GetNumSharedBlocks(WindowSize window) const {
   std::lock_guard<std::mutex> lock(mu_);
   const std::size_t w = WindowIndex(window);

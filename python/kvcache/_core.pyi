@@ -260,6 +260,12 @@ class KVCacheManager:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
         """
+    def get_forked_beam_blocks(
+        self, fork_tokens: typing.SupportsIndex, final_tokens: typing.SupportsIndex
+    ) -> list[int]:
+        """
+        Per window: the most free blocks one more beam forked from a sequence of fork_tokens tokens takes before it holds final_tokens tokens (its copy of the shared partial block and its own new blocks).
+        """
     def get_num_free_blocks(self, window_size: typing.SupportsIndex | None = None) -> int:
         """
         Primary blocks that can be handed out now; without window_size the minimum over windows.

@@ -347,5 +347,26 @@ TEST(ForkTest, HostBackendMayCopyAfterAFork) {
   EXPECT_TRUE(m.MayCopyBlocks());
 }
 
+TEST(ForkTest, APrunedBeamDoesNotStoreAPartialBlockItsSiblingHolds) {
+  ManagerConfig c = SwaConfig();
+  c.enable_block_reuse = true;
+  KVCacheManager m(Model(2), c);
+  testing::Add(m, 1, 6);
+  const SeqId child = 2;
+  m.ForkSequence(1, &child, 1);
+  // 2 stores 5 tokens: block 0 (full) is linked; block 1 (1 token keyed) is still 1's too, so it
+  // is left to 1 (linked now it could not be linked under 1's longer key later).
+  m.RemoveSequence(2, /*store_for_reuse=*/true);
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 1);
+  for (TokenId t = 6; t < 9; ++t) m.AddToken(1, t);  // block 1 is 1's alone: written in place
+  EXPECT_EQ(m.GetCacheBlockIds(1, 32), (std::vector<BlockId>{0, 1, 2}));
+  EXPECT_EQ(m.GetStats().copied_on_write_blocks, 0);
+  m.RemoveSequence(1, /*store_for_reuse=*/true);  // 8 tokens keyed: blocks 0 and 1, full
+  EXPECT_EQ(m.GetStats().num_cached_nodes, 2);
+  m.CheckInvariants();  // full attention's cached chain has no hole
+  auto prompt = Iota(9);
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 8);
+}
+
 }  // namespace
 }  // namespace kvcache

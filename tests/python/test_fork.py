@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheError, KVCacheManager, ModelConfig
+from kvcache.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
 
 N = NULL_BLOCK
 
@@ -190,3 +191,50 @@ def test_virtual_backend_forks_without_bytes() -> None:
     m.add_tokens([2], [5])
     assert blocks(m, 2) == [[0, 2], [0, 2]]
     m.check_invariants()
+
+
+def test_forked_beam_blocks_count_only_the_beams_own_blocks() -> None:
+    m = make()
+    # Forked at 6 tokens, grown to 12: a copy of block 1 and block 2 (window 8 and full alike);
+    # grown to 30: full attention 7 blocks, window 8 never more than the 3 it spans.
+    assert m.get_forked_beam_blocks(6, 12) == [2, 2]
+    assert m.get_forked_beam_blocks(6, 30) == [3, 7]
+    assert m.get_forked_beam_blocks(8, 8) == [0, 0]
+    with pytest.raises(ValueError, match="fork_tokens"):
+        m.get_forked_beam_blocks(0, 8)
+
+
+def test_request_beam_fields() -> None:
+    assert Request(1, [1, 2], 4, num_beams=3).num_sequences == 3
+    assert Request(1, [1, 2], 4, n=2).num_sequences == 2
+    assert Request(1, [1, 2], 4).num_sequences == 1
+    with pytest.raises(ValueError, match="num_beams must be an int >= 1, got 0"):
+        Request(1, [1], 4, num_beams=0)
+    with pytest.raises(ValueError, match="n must be an int >= 1, got True"):
+        Request(1, [1], 4, n=True)
+    with pytest.raises(ValueError, match="cannot both exceed 1"):
+        Request(1, [1], 4, num_beams=2, n=2)
+
+
+def test_remaining_blocks_charge_the_prompt_once_for_all_beams() -> None:
+    model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
+    config = KvCacheConfig(
+        tokens_per_block=4,
+        max_attention_window=[8, None],
+        backend="virtual",
+        enable_block_reuse=False,
+    )
+    rm = KVCacheResourceManager.from_blocks(
+        model, config, {8: 64, 32: 64}, max_seq_len=32, max_batch_size=8
+    )
+    one = Request(1, list(range(6)), 7)  # 12 tokens at most: 3 blocks
+    beams = Request(2, list(range(6)), 7, num_beams=3)
+    assert rm.get_remaining_blocks_per_window(one) == {8: 3, 32: 3}
+    # 3 + 2 forked beams x (copy of block 1 + block 2): 7, not 3 x 3 = 9.
+    assert rm.get_remaining_blocks_per_window(beams) == {8: 7, 32: 7}
+    assert rm.get_remaining_blocks_per_window(beams, prefill_only=True) == {8: 2, 32: 2}
+    batch = ScheduledBatch()
+    batch.add_context(beams)
+    rm.prepare_resources(batch)
+    # Registered (not forked yet): its own growth (1 block) + 2 x forked at 6 tokens.
+    assert rm.get_remaining_blocks_per_window(beams) == {8: 5, 32: 5}

@@ -382,6 +382,10 @@ class KVCacheManager {
   /// what it needs from an otherwise empty pool.
   std::vector<std::int64_t> GetBlocksToRunAlone(std::int32_t prompt_len, std::int32_t final_tokens,
                                                 std::int32_t chunk) const;
+  /// Per window: the most free blocks one more beam forked (ForkSequence) from a sequence of
+  /// `fork_tokens` tokens takes before it holds `final_tokens` tokens (block_math::ForkedBeamBlocks):
+  /// its copy of the shared partial block and its own new blocks, never the shared ones.
+  std::vector<std::int64_t> GetForkedBeamBlocks(std::int32_t fork_tokens, std::int32_t final_tokens) const;
   /// Extra references of blocks held more than once in a window that releases blocks (sequences
   /// and pins): the releases the per-sequence estimates credit but that free nothing.
   std::int64_t GetNumSharedBlocks(WindowSize window) const;
