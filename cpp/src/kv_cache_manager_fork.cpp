@@ -107,5 +107,4 @@ void KVCacheManager::CopyOnWrite(Sequence& seq, std::size_t w, std::int32_t j, s
   ++seq.new_blocks;
 }
 
-
 }  // namespace kvcache

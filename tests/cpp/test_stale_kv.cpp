@@ -17,7 +17,12 @@
 // A. Deterministic regressions: the known stale-KV causes, then API edge cases.
 // B. A seeded randomized engine run over many configurations (windows, tokens per block, partial
 //    reuse and copy, pool sizes, offload, speculative drafts, sliding-window reuse policy, chunked
-//    prefill, pins dropped exactly as returned: nothing stays referenced at the end).
+//    prefill, pins dropped exactly as returned: nothing stays referenced at the end), with forks
+//    (ForkSequence, beam search) in every configuration: a live request, decoding or in chunked
+//    prefill, forks into 1..3 children that then often step together in one AddTokens call with
+//    different tokens; children are pruned (Remove), decode, draft, rewind, store and pin like any
+//    request, and after every step or chunk every fork of the writers (its "family") is checked
+//    too: each reads its own tokens' KV, never a sibling's.
 //
 // Knobs (environment variables):
 //   KVCACHE_CONTENT_OPS=N   long mode: the randomized configurations together run at least N

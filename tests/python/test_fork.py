@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 
 from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheError, KVCacheManager, ModelConfig
+from kvcache.cli import main
+from kvcache.models import ModelPreset
 from kvcache.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
+from kvcache.simulate.beams import beam_footprint, format_beam_footprint
+from kvcache.simulate.workload import TraceRequest
 
 N = NULL_BLOCK
 
@@ -238,3 +242,36 @@ def test_remaining_blocks_charge_the_prompt_once_for_all_beams() -> None:
     rm.prepare_resources(batch)
     # Registered (not forked yet): its own growth (1 block) + 2 x forked at 6 tokens.
     assert rm.get_remaining_blocks_per_window(beams) == {8: 5, 32: 5}
+
+
+def test_beam_footprint_counts_the_shared_prompt_once() -> None:
+    preset = ModelPreset(
+        name="tiny",
+        model=ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4),
+        max_attention_window=(8, None),
+        max_context=64,
+        description="two layers: window 8 and full attention",
+    )
+    request = TraceRequest(request_id=0, arrival=0, prompt=list(range(10)), output=list(range(7)))
+    f = beam_footprint([request], preset, num_beams=3, tokens_per_block=4)
+    # Forks: the prompt's 3 blocks once; the first step copies the shared partial block for two
+    # beams (5), 13 tokens start a block per beam (full attention 8); window 8 released block 0
+    # at 12 tokens (all three beams in one call), so it peaks at 7. Separate sequences: 3 x 3
+    # blocks, then 3 more in full attention.
+    assert f.forked == {8: 7.0, 16: 8.0}
+    assert f.separate == {8: 9.0, 16: 12.0}
+    assert f.copied_on_write == 4.0
+    text = format_beam_footprint(f)
+    assert "beam search, 3 beams (1 requests alone, 4-token blocks)" in text
+    assert "     total        15.0        21.0     29%" in text
+    with pytest.raises(ValueError, match=r"num_beams must be in 1\.\.64"):
+        beam_footprint([request], preset, num_beams=0, tokens_per_block=4)
+
+
+def test_cli_simulate_num_beams(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--model", "gemma-3-1b", "--memory", "512MiB"]
+    assert main([*argv, "--num-conversations", "6", "--num-beams", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "beam search, 4 beams" in out
+    assert "copy-on-write:" in out
+    assert main([*argv, "--num-beams", "0"]) == 2
