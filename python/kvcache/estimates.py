@@ -82,7 +82,7 @@ class ResourceEstimates:
 
     Attributes used (set by :class:`kvcache.resource_manager.KVCacheResourceManager`):
     ``_manager``, ``_windows``, ``_tpb``, ``_max_draft``, ``_reuse``, ``_running``,
-    ``_prepared``.
+    ``_prepared``, ``_forked``.
     """
 
     _manager: KVCacheManager
@@ -92,6 +92,7 @@ class ResourceEstimates:
     _reuse: bool
     _running: dict[int, Request]
     _prepared: dict[int, PreparedPrompt]
+    _forked: set[int]
 
     def num_draft_tokens_for(self, request: Request) -> int:
         """Drafts usable in the request's next step: at most its drafts, the manager's
@@ -445,7 +446,7 @@ class ResourceEstimates:
             )
             own = [int(n) for n in remaining]
             fork_at = request.context_len
-        if request.num_sequences == 1 or prefill_only:
+        if request.num_sequences == 1 or prefill_only or request.request_id in self._forked:
             return own
         # The other beams fork from the prompt: each takes its own blocks, never the shared ones.
         beams = self._manager.get_forked_beam_blocks(fork_at, request.max_kv_tokens)

@@ -9,7 +9,12 @@ import pytest
 from kvcache import NULL_BLOCK, KvCacheConfig, KVCacheError, KVCacheManager, ModelConfig
 from kvcache.cli import main
 from kvcache.models import ModelPreset
-from kvcache.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
+from kvcache.resource_manager import (
+    KVCacheResourceManager,
+    Request,
+    RequestState,
+    ScheduledBatch,
+)
 from kvcache.simulate.beams import beam_footprint, format_beam_footprint
 from kvcache.simulate.workload import TraceRequest
 
@@ -275,3 +280,97 @@ def test_cli_simulate_num_beams(capsys: pytest.CaptureFixture[str]) -> None:
     assert "beam search, 4 beams" in out
     assert "copy-on-write:" in out
     assert main([*argv, "--num-beams", "0"]) == 2
+
+
+@pytest.mark.cuda
+def test_cuda_copy_on_write_copies_the_bytes() -> None:
+    torch = pytest.importorskip("torch")
+    m = make(backend="cuda")
+    m.add_sequence(1, list(range(6)))
+    original = []
+    for layer in (0, 1):
+        buf = torch.from_dlpack(m.get_buffers(layer))  # [blocks, kv, heads, tokens, head_dim]
+        values = torch.arange(buf[1].numel(), dtype=buf.dtype, device=buf.device) + 100 * layer
+        buf[1].copy_(values.reshape(buf[1].shape))
+        original.append(buf[1].clone())
+    torch.cuda.synchronize()
+    m.fork_sequence(1, [2, 3])
+    m.add_tokens([1, 2, 3], [10, 20, 30])  # cudaMemcpyAsync on the manager's stream, synced
+    assert blocks(m, 1) == [[0, 2], [0, 2]]
+    assert blocks(m, 2) == [[0, 3], [0, 3]]
+    for layer in (0, 1):
+        buf = torch.from_dlpack(m.get_buffers(layer))
+        for copy in (2, 3):
+            assert torch.equal(buf[copy][:, :, :2], original[layer][:, :, :2])
+        assert torch.equal(buf[1], original[layer])
+    assert m.get_kv_cache_stats().copied_on_write_blocks == 4
+
+
+def _resource_manager() -> KVCacheResourceManager:
+    model = ModelConfig(num_layers=2, num_kv_heads=1, head_dim=4)
+    config = KvCacheConfig(
+        tokens_per_block=4,
+        max_attention_window=[8, None],
+        backend="virtual",
+        enable_block_reuse=False,
+    )
+    return KVCacheResourceManager.from_blocks(
+        model, config, {8: 16, 32: 16}, max_seq_len=32, max_batch_size=8
+    )
+
+
+def test_fork_resources_runs_beams_as_generation_requests() -> None:
+    rm = _resource_manager()
+    m = rm.manager
+    parent = Request(1, list(range(6)), 6, num_beams=3)
+    batch = ScheduledBatch()
+    batch.add_context(parent)
+    rm.prepare_resources(batch)
+    parent.append_tokens([100])
+    rm.update_resources(batch)
+    # Its own growth (1 block) and 2 beams forked at 6 tokens (a copy and a new block each).
+    assert rm.get_remaining_blocks_per_window(parent) == {8: 5, 32: 5}
+    kids = [
+        Request(2, list(range(6)), 6, generated=[200]),
+        Request(3, list(range(6)), 6, generated=[300]),
+    ]
+    rm.fork_resources(parent, kids)
+    assert [m.get_cache_block_ids(r, 32) for r in (1, 2, 3)] == [[0, 1]] * 3
+    assert all(k.state is RequestState.GENERATION and rm.has_request(k) for k in kids)
+    # Forked: the parent is charged its own growth and its next write's copy, no more beams.
+    assert rm.get_remaining_blocks_per_window(parent) == {8: 2, 32: 2}
+    assert rm.get_remaining_blocks_for([parent, *kids]) == [6, 6]
+    batch = ScheduledBatch()
+    for r in (parent, *kids):
+        batch.add_generation(r)
+    assert rm.get_needed_blocks_for_step(batch) == {8: 3, 32: 3}
+    rm.prepare_resources(batch)  # one add_tokens call: 1 and 2 copy block 1, 3 keeps it
+    assert [m.get_cache_block_ids(r, 32) for r in (1, 2, 3)] == [[0, 2], [0, 3], [0, 1]]
+    for r, token in zip((parent, *kids), (101, 201, 301), strict=True):
+        r.append_tokens([token])
+    rm.update_resources(batch)
+    rm.free_resources(kids[0], store_for_reuse=False)  # pruned: only block 3 is freed
+    assert rm.get_num_free_blocks(32) == 16 - 3
+    m.check_invariants()
+
+
+def test_fork_resources_checks_everything_first() -> None:
+    rm = _resource_manager()
+    parent = Request(1, list(range(6)), 6)
+    with pytest.raises(KeyError):
+        rm.fork_resources(parent, [Request(2, list(range(6)), 6)])
+    batch = ScheduledBatch()
+    batch.add_context(parent)
+    rm.prepare_resources(batch)
+    with pytest.raises(ValueError, match="fork a generating request"):
+        rm.fork_resources(parent, [Request(2, list(range(6)), 6)])
+    parent.append_tokens([100])
+    rm.update_resources(batch)
+    good = Request(2, list(range(6)), 6, generated=[7])
+    with pytest.raises(ValueError, match="needs its prompt, max_new_tokens"):
+        rm.fork_resources(parent, [good, Request(3, [9, 9], 6, generated=[1])])
+    with pytest.raises(ValueError, match="registered or repeated"):
+        rm.fork_resources(parent, [good, good])
+    assert not rm.has_request(good) and rm.manager.num_sequences == 1
+    rm.fork_resources(parent, [good])
+    assert rm.manager.num_sequences == 2
