@@ -588,9 +588,15 @@ void BindManager(pybind11::module_& m) {
           "fork_sequence",
           [](M& self, RequestId parent, const pybind11::handle& child_ids) {
             std::vector<SeqId> ids;
-            if (pybind11::isinstance<pybind11::int_>(child_ids)) {
+            // One id: a Python int or any integer scalar (numpy's too); else a sequence or array.
+            const bool single = pybind11::isinstance<pybind11::int_>(child_ids) ||
+                                (PyIndex_Check(child_ids.ptr()) != 0 && !pybind11::isinstance<pybind11::array>(child_ids));
+            if (single) {
+              if (PyBool_Check(child_ids.ptr())) ThrowInvalid("child_ids must be an int or a sequence of ints, got bool");
+              auto index = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(child_ids.ptr()));
+              if (!index) throw pybind11::error_already_set();
               pybind11::list one;
-              one.append(child_ids);
+              one.append(index);
               ToRequestIds(one, "child_ids", &ids);
             } else {
               ToRequestIds(child_ids, "child_ids", &ids);

@@ -102,12 +102,17 @@ def test_bad_forks_raise_and_change_nothing() -> None:
         m.fork_sequence(1, [2, 2])
     with pytest.raises(ValueError, match="child_ids"):
         m.fork_sequence(1, -3)
+    with pytest.raises(ValueError, match="child_ids must be an int or a sequence of ints, got b"):
+        m.fork_sequence(1, True)
     with pytest.raises(KVCacheError, match="max_batch_size"):
         m.fork_sequence(1, [2, 3])
     assert (blocks(m, 1), m.get_num_free_blocks(8), m.num_sequences) == before
     assert not m.has_sequence(2)
     m.fork_sequence(1, [])
     m.fork_sequence(1, np.array([2], dtype=np.int64))
+    assert m.num_sequences == 3
+    m.remove_sequence(2)
+    m.fork_sequence(1, np.int64(2))  # one id: any integer scalar
     assert m.num_sequences == 3
     m.check_invariants()
 
