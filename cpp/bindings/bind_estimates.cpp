@@ -29,6 +29,7 @@ namespace py = pybind11;
 inline constexpr char kFinalTokens[] = "final_tokens";
 inline constexpr char kChunk[] = "chunk_size";
 inline constexpr char kPromptLen[] = "prompt_len";
+inline constexpr char kForkTokens[] = "fork_tokens";
 inline constexpr char kLo[] = "lo";
 inline constexpr char kHi[] = "hi";
 inline constexpr char kKeep[] = "keep";
@@ -37,6 +38,7 @@ inline constexpr char kWindow[] = "window";
 using FinalTokens = Int<std::int32_t, kFinalTokens, 1>;
 using ChunkArg = Int<std::int32_t, kChunk, 1>;
 using PromptLen = Int<std::int32_t, kPromptLen, 1>;
+using ForkTokens = Int<std::int32_t, kForkTokens, 1>;
 using TokenCount = Int<std::int64_t, kLo, 1>;
 using HiCount = Int<std::int64_t, kHi, 1>;
 using KeepArg = Int<std::int64_t, kKeep, 1>;
@@ -234,6 +236,12 @@ void BindEstimates(py::module_& m) {
           },
           py::arg("prompt_len"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
           "Per window: the most blocks a sequence holds from registration to final_tokens tokens, nothing reused.")
+      .def(
+          "get_forked_beam_blocks",
+          [](const M& self, ForkTokens n, FinalTokens final) { return self.GetForkedBeamBlocks(n.value, final.value); },
+          py::arg("fork_tokens"), py::arg("final_tokens"),
+          "Per window: the most free blocks one more beam forked from a sequence of fork_tokens tokens takes "
+          "before it holds final_tokens tokens (its copy of the shared partial block and its own new blocks).")
       .def(
           "get_num_shared_blocks", [](const M& self, WindowSizeArg w) { return self.GetNumSharedBlocks(w.value); },
           py::arg("window_size"),

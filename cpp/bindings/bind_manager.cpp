@@ -296,6 +296,8 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["num_cached_nodes"] = s.num_cached_nodes;
   d["lent_slabs"] = s.lent_slabs;
   d["num_owned_blocks_per_window_size"] = s.num_owned_blocks_per_window_size;
+  d["forked_blocks"] = s.forked_blocks;
+  d["copied_on_write_blocks"] = s.copied_on_write_blocks;
   return d;
 }
 
@@ -602,6 +604,31 @@ void BindManager(pybind11::module_& m) {
           },
           pybind11::arg("request_id"), pybind11::arg("num_tokens"),
           "Drops the last num_tokens tokens, releasing blocks that become empty.")
+      .def(
+          "fork_sequence",
+          [](M& self, RequestId parent, const pybind11::handle& child_ids) {
+            std::vector<SeqId> ids;
+            // One id: a Python int or any integer scalar (numpy's too); else a sequence or array.
+            const bool single = pybind11::isinstance<pybind11::int_>(child_ids) ||
+                                (PyIndex_Check(child_ids.ptr()) != 0 && !pybind11::isinstance<pybind11::array>(child_ids));
+            if (single) {
+              if (PyBool_Check(child_ids.ptr())) ThrowInvalid("child_ids must be an int or a sequence of ints, got bool");
+              auto index = pybind11::reinterpret_steal<pybind11::object>(PyNumber_Index(child_ids.ptr()));
+              if (!index) throw pybind11::error_already_set();
+              pybind11::list one;
+              one.append(index);
+              ToRequestIds(one, "child_ids", &ids);
+            } else {
+              ToRequestIds(child_ids, "child_ids", &ids);
+            }
+            self.ForkSequence(parent, ids.data(), ids.size());  // bookkeeping only: no copy
+          },
+          pybind11::arg("parent_id"), pybind11::arg("child_ids"),
+          "Registers each child id (one id or a list) as a copy of request parent_id that shares every "
+          "block the parent holds, in every window (no block is taken, nothing is copied). The first "
+          "write into a shared block (add_tokens, prefill, rewind into it) copies that block first. "
+          "Unknown parent: KeyError; a child id that is registered, repeated or the parent: ValueError. "
+          "All or nothing.")
       .def(
           "has_sequence", [](const M& self, AnyRequestId id) { return id >= 0 && self.HasSequence(id); },
           pybind11::arg("request_id"))

@@ -103,4 +103,11 @@ std::int64_t DemandBlocks(std::int64_t n, std::int64_t seq_len, std::int64_t kee
   return std::min((n * (keep + 2 * tpb - 2) + budget) / tpb, whole);
 }
 
+std::int64_t ForkedBeamBlocks(std::int64_t fork_len, std::int64_t final, std::int64_t keep,
+                              std::int32_t tokens_per_block) {
+  if (final <= fork_len) return 0;
+  const std::int64_t own = CeilDiv(final, tokens_per_block) - fork_len / tokens_per_block;
+  return std::min<std::int64_t>(own, PeakLiveBlocks(fork_len + 1, final, keep, tokens_per_block));
+}
+
 }  // namespace kvcache::block_math

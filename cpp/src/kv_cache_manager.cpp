@@ -339,6 +339,7 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
   // 1. Validate every argument before touching anything.
   BeginBatch(n);
   std::int64_t need = 0;  // new blocks of the whole batch (the same in every window)
+  bool writes = false;    // some chunk starts inside a block the sequence holds
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = BatchMember(i, ids[i], "prefill");
     if (num_tokens[i] < 1) ThrowInvalid("prefill: num_tokens must be >= 1, got ", num_tokens[i]);
@@ -348,28 +349,36 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
                    num_tokens[i]);
     }
     need += CeilDiv(seq.num_tokens + num_tokens[i], tpb_) - static_cast<std::int32_t>(seq.windows[0].blocks.size());
+    batch_kept_[i] = seq.num_tokens % tpb_;
+    batch_write_[i] = batch_kept_[i] == 0 ? -1 : seq.num_tokens / tpb_;
+    writes = writes || batch_kept_[i] != 0;
   }
   // 2. Check. A chunk's first query, at position num_tokens, attends nothing before what a
   //    sequence of num_tokens + 1 tokens keeps: the decode step's release rule, so what the
   //    releases free counts as in AddTokens.
-  const std::int64_t short_w = need > 0 ? ShortWindowForBatch(need) : -1;
+  std::fill(check_need_.begin(), check_need_.end(), need);
+  const std::int64_t copies = writes && forked_ ? CountBatchCopies() : 0;
+  const std::int64_t short_w = need > 0 || copies > 0 ? ShortWindowForBatch() : -1;
   if (short_w >= 0) {
     const auto w = static_cast<std::size_t>(short_w);
     const std::int64_t available = check_available_[w];
     if (n == 1) {
-      throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", need, " new blocks in window ",
-                                            window_sizes_[w], " for ", num_tokens[0], " tokens but only ", available,
-                                            " can be freed or are free", lender_->LendNote(w)));
+      throw OutOfBlocksError(detail::Concat("prefill: request ", ids[0], " needs ", check_need_[w],
+                                            " new blocks in window ", window_sizes_[w], " for ", num_tokens[0],
+                                            " tokens but only ", available, " can be freed or are free",
+                                            lender_->LendNote(w)));
     }
-    throw OutOfBlocksError(detail::Concat("prefill needs ", need, " new blocks in window ", window_sizes_[w], " for ", n,
-                                          " requests but only ", available, " can be freed or are free",
+    throw OutOfBlocksError(detail::Concat("prefill needs ", check_need_[w], " new blocks in window ", window_sizes_[w],
+                                          " for ", n, " requests but only ", available, " can be freed or are free",
                                           lender_->LendNote(w)));
   }
   MoveSlabs();
-  // 3. Mutate: every sequence releases first (the check credited those blocks), then hands out.
+  // 3. Mutate: every sequence releases first (the check credited those blocks), copies the shared
+  //    blocks its chunk writes into, then hands out.
   for (Sequence* seq : batch_) {
     for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(*seq, w, seq->num_tokens + 1);
   }
+  if (copies > 0) CopyBatchWrites();
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = *batch_[i];
     const std::int32_t new_len = seq.num_tokens + num_tokens[i];
@@ -388,7 +397,7 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
     c.alloc_total += need;
     c.alloc_new += need;
   }
-  backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
+  backend_->Synchronize();  // offloads of evicted blocks and copies finish before they are overwritten
 }
 
 std::int32_t KVCacheManager::PromptLength(SeqId id) const {
@@ -399,13 +408,15 @@ std::int32_t KVCacheManager::PromptLength(SeqId id) const {
 void KVCacheManager::BeginBatch(std::size_t n) {
   ++stamp_;
   batch_.resize(n);  // sized once and written by index (BatchMember)
+  batch_write_.resize(n);
+  batch_kept_.resize(n);
 }
 
 void KVCacheManager::ThrowRepeated(SeqId id, const char* call) {
   ThrowInvalid("request id ", id, " appears twice in one ", call, " call");
 }
 
-std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
+std::int64_t KVCacheManager::ShortWindowForBatch() {
   // Releases are counted only where they matter: in a window short of free blocks and, once one
   // is, in every window, since a lender may borrow what the others keep beyond their need.
   // (Without lending the call fails then anyway: the other windows' counts change no answer.)
@@ -414,16 +425,15 @@ std::int64_t KVCacheManager::ShortWindowForBatch(std::int64_t need) {
     std::int64_t& available = check_available_[w];
     available = windows_[w]->NumFreePrimary();
     batch_counted_[w] = 0;
-    if (available >= need) continue;
+    if (available >= check_need_[w]) continue;
     available += FreedByBatchReleases(w);
     batch_counted_[w] = 1;
-    short_of_blocks = short_of_blocks || available < need;
+    short_of_blocks = short_of_blocks || available < check_need_[w];
   }
   if (!short_of_blocks) return -1;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (!batch_counted_[w]) check_available_[w] += FreedByBatchReleases(w);
   }
-  std::fill(check_need_.begin(), check_need_.end(), need);
   return lender_->PlanBlocks(check_need_, check_available_);
 }
 
@@ -462,6 +472,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
   BeginBatch(n);
   batch_new_block_.resize(n);  // written by index, as batch_: no push_back per sequence
   std::int32_t need = 0;  // sequences that start a new block (the same in every window)
+  bool writes = false;    // some sequence writes into a block it holds (copy-on-write after a fork)
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = BatchMember(i, ids[i], "add_tokens");
     if (seq.InPrefill()) {
@@ -475,25 +486,35 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     const bool starts_block = seq.num_tokens % tpb_ == 0;
     need += starts_block ? 1 : 0;
     batch_new_block_[i] = starts_block ? 1 : 0;
+    const std::int32_t kept = seq.num_tokens % tpb_;
+    batch_write_[i] = starts_block ? -1 : seq.num_tokens / tpb_;
+    batch_kept_[i] = kept;
+    writes = writes || !starts_block;
   }
-  // 2. Check that every window can serve the new blocks, counting the blocks that the
-  //    sliding windows release in this same step (released before anything is allocated).
-  const std::int64_t short_w = need > 0 ? ShortWindowForBatch(need) : -1;
+  // 2. Check that every window can serve the new blocks and the copies of shared blocks written
+  //    into, counting the blocks that the sliding windows release in this same step (released
+  //    before anything is allocated).
+  std::fill(check_need_.begin(), check_need_.end(), need);
+  const std::int64_t copies = writes && forked_ ? CountBatchCopies() : 0;
+  const bool any_need = need > 0 || copies > 0;
+  const std::int64_t short_w = any_need ? ShortWindowForBatch() : -1;
   if (short_w >= 0) {
     const auto w = static_cast<std::size_t>(short_w);
-    throw OutOfBlocksError(detail::Concat("add_tokens needs ", need, " new blocks in window ", window_sizes_[w],
-                                          " but only ", check_available_[w], " can be freed or are free",
-                                          lender_->LendNote(w)));
+    throw OutOfBlocksError(detail::Concat("add_tokens needs ", check_need_[w], " new blocks in window ",
+                                          window_sizes_[w], " but only ", check_available_[w],
+                                          " can be freed or are free", lender_->LendNote(w)));
   }
   MoveSlabs();
-  // 3. Mutate: append, release what left each sliding window, then allocate.
+  // 3. Mutate: append, release what left each sliding window, copy shared blocks written into,
+  //    then allocate.
   for (std::size_t i = 0; i < n; ++i) {
     Sequence& seq = *batch_[i];
     seq.AppendToken(tokens[i]);
     ++seq.num_tokens;
     for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w, seq.num_tokens);
   }
-  if (need == 0) return;
+  if (!any_need) return;
+  if (copies > 0) CopyBatchWrites();
   for (std::size_t i = 0; i < n; ++i) {
     if (!batch_new_block_[i]) continue;
     Sequence* seq = batch_[i];
@@ -508,7 +529,7 @@ void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::siz
     c.alloc_total += need;
     c.alloc_new += need;
   }
-  backend_->Synchronize();  // offloads of evicted blocks finish before they are overwritten
+  backend_->Synchronize();  // offloads of evicted blocks and copies finish before they are overwritten
 }
 
 std::map<WindowSize, std::vector<BlockId>> KVCacheManager::RemoveSequence(SeqId id, bool store_for_reuse, bool pin) {
@@ -573,15 +594,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
     auto& blocks = seq.windows[w].blocks;
     Detach(seq, w, static_cast<std::int32_t>(keep), static_cast<std::int32_t>(blocks.size()), Leave::kRewind);
     blocks.resize(keep);
-    if (copy[w]) {
-      const auto last = static_cast<std::int32_t>(keep - 1);
-      const BlockId shared = blocks[keep - 1];
-      windows_[w]->Claim(shared);  // held while it is copied from
-      Detach(seq, w, last, last + 1, Leave::kEnd);
-      AttachFresh(seq, w, last, last + 1);
-      windows_[w]->CopyTokens(blocks[keep - 1], shared, tail_tokens);
-      windows_[w]->Release(shared);
-    }
+    if (copy[w]) CopyOnWrite(seq, w, static_cast<std::int32_t>(keep - 1), tail_tokens);
   }
   backend_->Synchronize();
   seq.OwnTokens();
@@ -665,6 +678,8 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.missed_blocks += counters_[w].missed;
     s.reused_blocks_per_window_size[wm.window()] = counters_[w].reused;
     s.missed_blocks_per_window_size[wm.window()] = counters_[w].missed;
+    s.forked_blocks += counters_[w].forked;
+    s.copied_on_write_blocks += counters_[w].copied;
     s.offloaded_blocks += wm.offloaded_blocks();
     s.onboarded_blocks += wm.onboarded_blocks();
   }

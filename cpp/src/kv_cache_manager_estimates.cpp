@@ -21,16 +21,21 @@ std::int32_t KVCacheManager::SharedReleases(const Sequence& seq, std::size_t w, 
   return shared;
 }
 
+std::int32_t KVCacheManager::CopyNeed(const Sequence& seq, std::size_t w) const {
+  if (!forked_ || seq.num_tokens % tpb_ == 0) return 0;  // the next token starts a block
+  return IsPrivate(seq, w, seq.num_tokens / tpb_) ? 0 : 1;
+}
+
 std::int64_t KVCacheManager::DecodeDelta(const Sequence& seq, std::size_t w, std::int64_t m) const {
   const std::int32_t front = seq.windows[w].front_null;
   const std::int32_t target = bm::Released(m, keep_[w], tpb_);
   const std::int64_t freed = target > front ? target - front - SharedReleases(seq, w, target) : 0;
-  return bm::CeilDiv(m, tpb_) - bm::CeilDiv(seq.num_tokens, tpb_) - freed;
+  return bm::CeilDiv(m, tpb_) - bm::CeilDiv(seq.num_tokens, tpb_) + CopyNeed(seq, w) - freed;
 }
 
 std::int64_t KVCacheManager::ChunkNeed(const Sequence& seq, std::size_t w, std::int32_t size, bool credit) const {
   const std::int64_t n = seq.num_tokens;
-  const std::int64_t fresh = bm::CeilDiv(n + size, tpb_) - bm::CeilDiv(n, tpb_);
+  const std::int64_t fresh = bm::CeilDiv(n + size, tpb_) - bm::CeilDiv(n, tpb_) + CopyNeed(seq, w);
   if (!credit) return fresh;
   const std::int32_t front = seq.windows[w].front_null;
   const std::int32_t target = bm::Released(n + 1, keep_[w], tpb_);
@@ -100,14 +105,16 @@ std::vector<std::int64_t> KVCacheManager::GetSequenceStepNeeds(SeqId id, std::in
   if (num_tokens < 1) ThrowInvalid("step needs: request ", id, " needs >= 1 generation token");
   const std::int64_t kv = seq.num_tokens;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const std::int64_t fresh = bm::CeilDiv(kv + num_tokens, tpb_) - bm::CeilDiv(kv, tpb_);
+    const std::int64_t copy = CopyNeed(seq, w);
+    const std::int64_t fresh = bm::CeilDiv(kv + num_tokens, tpb_) - bm::CeilDiv(kv, tpb_) + copy;
     if (!credit_releases) {
       out[w] = fresh;
       continue;
     }
     const std::int32_t front = seq.windows[w].front_null;
     const std::int64_t live = bm::CeilDiv(kv, tpb_) - front;
-    std::int64_t need = std::max<std::int64_t>(0, bm::PeakLiveBlocks(kv + 1, kv + num_tokens, keep_[w], tpb_, front) - live);
+    std::int64_t need =
+        std::max<std::int64_t>(0, bm::PeakLiveBlocks(kv + 1, kv + num_tokens, keep_[w], tpb_, front) - live) + copy;
     // Releasing a block that another holder keeps frees nothing: no credit for it.
     const std::int32_t shared = SharedReleases(seq, w, bm::Released(kv + num_tokens, keep_[w], tpb_));
     if (shared > 0) need = std::min(fresh, need + shared);
@@ -128,6 +135,7 @@ std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, c
     for (std::size_t w = 0; w < windows_.size(); ++w) {
       out[w] += bm::RemainingBlocks(seq.num_tokens, seq.prompt_len, final, chunk, seq.windows[w].front_null, keep_[w],
                                     tpb_);
+      if (final > seq.num_tokens) out[w] += CopyNeed(seq, w);  // its next write copies a shared block
     }
   }
   return out;
@@ -199,6 +207,14 @@ std::vector<std::int64_t> KVCacheManager::GetBlocksToRunAlone(std::int32_t promp
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     out[w] = bm::BlocksToRunAlone(prompt_len, final_tokens, chunk, window_sizes_[w], keep_[w], tpb_);
   }
+  return out;
+}
+
+std::vector<std::int64_t> KVCacheManager::GetForkedBeamBlocks(std::int32_t fork_tokens,
+                                                              std::int32_t final_tokens) const {
+  if (fork_tokens < 1) ThrowInvalid("forked beam blocks: fork_tokens must be >= 1, got ", fork_tokens);
+  std::vector<std::int64_t> out(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) out[w] = bm::ForkedBeamBlocks(fork_tokens, final_tokens, keep_[w], tpb_);
   return out;
 }
 

@@ -337,7 +337,11 @@ KVCacheManager::StoredPosition KVCacheManager::StorePosition(const Sequence& seq
     WindowBlockManager& wm = *windows_[w];
     const auto wi = static_cast<std::int32_t>(w);
     const BlockId b = OwnBlock(seq, w, d);
-    if (b != kNullBlock && tree_->Block(here.node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
+    // A partial block that a fork also holds is not stored: the fork's KV there goes on (it
+    // would write the block only after copying it, but a later store of its longer key could
+    // then not link the block, and full attention's chain would have a hole there).
+    const bool shared_partial = len < tpb_ && b != kNullBlock && wm.RefCount(b) > 1;
+    if (b != kNullBlock && !shared_partial && tree_->Block(here.node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
       wm.Link(b, here.node);
       out.any = true;
       if (events->on()) {

@@ -382,6 +382,12 @@ void WindowBlockManager::ReleaseN(const BlockId* blocks, std::int32_t n, bool re
   flush();
 }
 
+void WindowBlockManager::RecordRelease(BlockId b, SeqId seq) {
+  BlockState& s = state_[b];
+  KVC_CHECK(s.releaser >= 0, detail::Concat("window ", window_, ": block ", b, " has no release record to copy"));
+  more_releasers_[b].push_back(seq);
+}
+
 void WindowBlockManager::ForgetRelease(BlockId b, SeqId seq) {
   SeqId& first = state_[b].releaser;
   std::vector<SeqId>& more = more_releasers_[b];

@@ -236,6 +236,10 @@ class KVCacheManager:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
         """
+    def fork_sequence(self, parent_id: typing.SupportsIndex, child_ids: typing.Any) -> None:
+        """
+        Registers each child id (one id or a list) as a copy of request parent_id that shares every block the parent holds, in every window (no block is taken, nothing is copied). The first write into a shared block (add_tokens, prefill, rewind into it) copies that block first. Unknown parent: KeyError; a child id that is registered, repeated or the parent: ValueError. All or nothing.
+        """
     def get_blocks_to_run_alone(
         self,
         prompt_len: typing.SupportsIndex,
@@ -255,6 +259,12 @@ class KVCacheManager:
     ) -> list[int]:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
+        """
+    def get_forked_beam_blocks(
+        self, fork_tokens: typing.SupportsIndex, final_tokens: typing.SupportsIndex
+    ) -> list[int]:
+        """
+        Per window: the most free blocks one more beam forked from a sequence of fork_tokens tokens takes before it holds final_tokens tokens (its copy of the shared partial block and its own new blocks).
         """
     def get_num_free_blocks(self, window_size: typing.SupportsIndex | None = None) -> int:
         """

@@ -939,6 +939,14 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         help="disk tier below the host cache (needs --host-cache), e.g. 64GiB; the report "
         "shows the hit rate with and without it (default: none)",
     )
+    p_sim.add_argument(
+        "--num-beams",
+        type=_int_in(1, 64, "beams are forks of one sequence"),
+        default=1,
+        metavar="K",
+        help="also report the blocks per request of beam search with K beams: forked "
+        "(fork_sequence, the prompt's blocks shared) against K separate sequences",
+    )
     p_sim.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     p_sim.add_argument(
         "--plot", default=None, metavar="FILE.png", help="plot pool use (needs matplotlib)"

@@ -82,7 +82,7 @@ class ResourceEstimates:
 
     Attributes used (set by :class:`kvcache.resource_manager.KVCacheResourceManager`):
     ``_manager``, ``_windows``, ``_tpb``, ``_max_draft``, ``_reuse``, ``_running``,
-    ``_prepared``.
+    ``_prepared``, ``_forked``.
     """
 
     _manager: KVCacheManager
@@ -92,6 +92,7 @@ class ResourceEstimates:
     _reuse: bool
     _running: dict[int, Request]
     _prepared: dict[int, PreparedPrompt]
+    _forked: set[int]
 
     def num_draft_tokens_for(self, request: Request) -> int:
         """Drafts usable in the request's next step: at most its drafts, the manager's
@@ -238,6 +239,11 @@ class ResourceEstimates:
         ``use_reuse=False`` gives an upper bound whatever the cache holds when it registers.
         With ``prefill_only``, only until its prompt is prefilled (0 afterwards): what
         ``max_utilization`` scheduling keeps for prompts being prefilled in chunks.
+
+        A request with ``num_beams`` or ``n`` = ``k > 1`` is charged, besides its own sequence,
+        ``k - 1`` beams forked from its prompt (from its current length once registered), each
+        ``KVCacheManager.get_forked_beam_blocks``: its copy of the shared partial block and the
+        blocks its own tokens start. The prompt's shared blocks are counted once.
 
         Example:
             Window 8, 4-token blocks, a 10-token prompt generating 20 tokens (29 cached at
@@ -424,16 +430,25 @@ class ResourceEstimates:
     ) -> list[int]:
         self._check_chunk_size(chunk)
         if request.request_id in self._running:
-            return self.get_remaining_blocks_for(
+            own = self.get_remaining_blocks_for(
                 [request], chunk_size=chunk, prefill_only=prefill_only
             )
-        if request.state in _DONE:
+            fork_at = int(self._manager.num_tokens(request.request_id))
+        elif request.state in _DONE:
             return [0] * len(self._windows)
-        remaining = self._manager.get_prompt_remaining_blocks(
-            self._prompt(request),
-            request.max_kv_tokens,
-            chunk_size=chunk,
-            use_reuse=use_reuse,
-            prefill_only=prefill_only,
-        )
-        return [int(n) for n in remaining]
+        else:
+            remaining = self._manager.get_prompt_remaining_blocks(
+                self._prompt(request),
+                request.max_kv_tokens,
+                chunk_size=chunk,
+                use_reuse=use_reuse,
+                prefill_only=prefill_only,
+            )
+            own = [int(n) for n in remaining]
+            fork_at = request.context_len
+        if request.num_sequences == 1 or prefill_only or request.request_id in self._forked:
+            return own
+        # The other beams fork from the prompt: each takes its own blocks, never the shared ones.
+        beams = self._manager.get_forked_beam_blocks(fork_at, request.max_kv_tokens)
+        extra = request.num_sequences - 1
+        return [a + extra * int(b) for a, b in zip(own, beams, strict=True)]

@@ -100,6 +100,9 @@ class KvCacheStats:
     owns now: with ``lend_free_memory`` they move as windows lend each other slabs
     (``lent_slabs`` counts the moves); ``num_free_blocks_per_window_size`` counts each
     window's own free blocks (``get_num_free_blocks`` adds what it could borrow).
+    ``forked_blocks`` counts the block references that ``fork_sequence`` children took from
+    their parents (no block is taken), ``copied_on_write_blocks`` the private copies that a
+    first write into a shared block made (summed over windows).
     """
 
     max_num_blocks: int
@@ -120,6 +123,8 @@ class KvCacheStats:
     num_cached_nodes: int = 0
     lent_slabs: int = 0
     num_owned_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
+    forked_blocks: int = 0
+    copied_on_write_blocks: int = 0
 
     @property
     def cache_hit_rate_per_window_size(self) -> dict[int, float]:

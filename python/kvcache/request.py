@@ -72,6 +72,11 @@ class Request:
         multimodal: ``(content_hash, start, length)`` items (part of the reuse key).
         priority: Retention priority 0..100 for this request's blocks.
         arrival: Engine step at which the request arrives (for simulations).
+        num_beams: Beams of a beam search (>= 1): after the prompt the request's sequence is
+            forked (``KVCacheManager.fork_sequence``) into ``num_beams`` sequences that share
+            the prompt's blocks.
+        n: Sequences sampled in parallel (>= 1): the same fork, done once after the prompt.
+            At most one of ``num_beams`` and ``n`` may exceed 1.
 
     Attributes:
         state: See :class:`RequestState`.
@@ -95,6 +100,8 @@ class Request:
     multimodal: Sequence[tuple[bytes | int, int, int]] | None = None
     priority: int | None = None
     arrival: int = 0
+    num_beams: int = 1
+    n: int = 1
     state: RequestState = RequestState.WAITING
     context_position: int = 0
     draft_tokens: list[int] = field(default_factory=list)
@@ -119,6 +126,23 @@ class Request:
                 f"request {self.request_id}: max_new_tokens must be a positive int, "
                 f"got {self.max_new_tokens!r}"
             )
+        for name in ("num_beams", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"request {self.request_id}: {name} must be an int >= 1, got {value!r}"
+                )
+        if self.num_beams > 1 and self.n > 1:
+            raise ValueError(
+                f"request {self.request_id}: num_beams ({self.num_beams}) and n ({self.n}) "
+                "cannot both exceed 1"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs once its prompt is done: ``max(num_beams, n)``; they
+        share the prompt's blocks (forked), so the prompt is cached once."""
+        return max(self.num_beams, self.n)
 
     @property
     def prompt_len(self) -> int:

@@ -135,6 +135,7 @@ class KVCacheResourceManager(ResourceEstimates):
         self._max_draft: int = int(getattr(manager, "max_draft_tokens", 0))
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
         self._running: dict[int, Request] = {}  # registered requests (they hold blocks)
+        self._forked: set[int] = set()  # requests whose beams were forked (fork_resources)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
@@ -373,18 +374,84 @@ class KVCacheResourceManager(ResourceEstimates):
             self._event_publisher.publish()
 
     def free_resources(self, request: Request, *, store_for_reuse: bool = True) -> None:
-        """Ends the request's sequence and returns its blocks (stored for reuse if enabled)."""
+        """Ends the request's sequence and returns its blocks (stored for reuse if enabled).
+
+        A pruned beam frees only the blocks no other beam holds.
+        """
         _check_type("request", request, Request)
         if request.request_id not in self._running:
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
         del self._running[request.request_id]
+        self._forked.discard(request.request_id)
+
+    def fork_resources(self, parent: Request, children: Sequence[Request]) -> None:
+        """Beam search and parallel sampling: registers each child as a fork of ``parent``
+        (``KVCacheManager.fork_sequence``), sharing every block the parent holds.
+
+        The parent must be generating; each child is a new :class:`Request` (waiting, not
+        registered) with the parent's prompt, ``max_new_tokens`` and generated tokens but for
+        the newest one, which may differ (its first step writes it: after the prompt each beam
+        continues with its own token, and its first write into the shared partial block copies
+        that block). The children then run as generation requests of their own: their tokens
+        go into the same ``add_tokens`` call as the parent's, ``free_resources`` prunes one,
+        and the estimates count each. A parent with ``num_beams`` or ``n`` above 1 is no
+        longer charged for beams it has not forked. All or nothing.
+
+        Raises:
+            TypeError: ``parent`` or a child is not a :class:`Request`.
+            KeyError: ``parent`` holds no blocks.
+            ValueError: ``parent`` is not generating; a child is registered, repeated, not
+                waiting, or its prompt, ``max_new_tokens`` or generated tokens (all but the
+                newest) differ from the parent's.
+        """
+        _check_type("parent", parent, Request)
+        for child in children:
+            _check_type("child", child, Request)
+        pid = parent.request_id
+        if pid not in self._running:
+            raise KeyError(f"request {pid} holds no KV cache blocks")
+        if parent.state is not RequestState.GENERATION:
+            raise ValueError(
+                f"request {pid}: fork a generating request (state {parent.state.value})"
+            )
+        seen: set[int] = set()
+        cached = parent.generated[:-1]
+        for child in children:
+            cid = child.request_id
+            if cid in self._running or cid in seen or cid == pid:
+                raise ValueError(f"fork_resources: child request {cid} is registered or repeated")
+            seen.add(cid)
+            if child.state is not RequestState.WAITING:
+                raise ValueError(
+                    f"request {cid}: a child must be waiting (state {child.state.value})"
+                )
+            same = (
+                list(child.prompt) == list(parent.prompt)
+                and child.max_new_tokens == parent.max_new_tokens
+                and len(child.generated) == len(parent.generated)
+                and child.generated[:-1] == cached
+            )
+            if not same:
+                raise ValueError(
+                    f"request {cid}: a child of request {pid} needs its prompt, max_new_tokens "
+                    "and generated tokens (all but the newest)"
+                )
+        self._manager.fork_sequence(pid, [c.request_id for c in children])
+        for child in children:
+            self._manager._set_final_tokens(child.request_id, child.max_kv_tokens)
+            self._running[child.request_id] = child
+            child.state = RequestState.GENERATION
+            child.context_position = parent.context_position
+            child.reused_tokens = 0
+        self._forked.add(pid)
 
     # ------------------------------------------------------------------ internals
 
     def _forget(self, request: Request) -> None:
         """Drops a request whose sequence the native scheduler removed (a pause)."""
         del self._running[request.request_id]
+        self._forked.discard(request.request_id)
 
     # --- mutations
 

@@ -255,4 +255,18 @@ TEST(ManagerEstimatesTest, FinalTokensProgressAndLengthChecks) {
 }
 
 }  // namespace
+TEST(BlockMathTest, ForkedBeamBlocksCountOnlyTheBeamsOwnBlocks) {
+  // 4-token blocks. Full attention: a beam forked at 6 tokens copies block 1 and starts block 2
+  // by 12 tokens (2), and 7 blocks by 30; forked at 8 (block-aligned) no copy: 1 by 12.
+  EXPECT_EQ(block_math::ForkedBeamBlocks(6, 12, block_math::kKeepAll, 4), 2);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(6, 30, block_math::kKeepAll, 4), 7);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(8, 12, block_math::kKeepAll, 4), 1);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(8, 8, block_math::kKeepAll, 4), 0);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(9, 3, block_math::kKeepAll, 4), 0);
+  // Window 8: never more than the 3 blocks a window of 8 tokens spans, however long it grows.
+  EXPECT_EQ(block_math::ForkedBeamBlocks(6, 12, 8, 4), 2);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(6, 30, 8, 4), 3);
+  EXPECT_EQ(block_math::ForkedBeamBlocks(100, 1000, 8, 4), 3);
+}
+
 }  // namespace kvcache

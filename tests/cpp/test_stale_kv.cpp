@@ -17,7 +17,12 @@
 // A. Deterministic regressions: the known stale-KV causes, then API edge cases.
 // B. A seeded randomized engine run over many configurations (windows, tokens per block, partial
 //    reuse and copy, pool sizes, offload, speculative drafts, sliding-window reuse policy, chunked
-//    prefill, pins dropped exactly as returned: nothing stays referenced at the end).
+//    prefill, pins dropped exactly as returned: nothing stays referenced at the end), with forks
+//    (ForkSequence, beam search) in every configuration: a live request, decoding or in chunked
+//    prefill, forks into 1..3 children that then often step together in one AddTokens call with
+//    different tokens; children are pruned (Remove), decode, draft, rewind, store and pin like any
+//    request, and after every step or chunk every fork of the writers (its "family") is checked
+//    too: each reads its own tokens' KV, never a sibling's.
 //
 // Knobs (environment variables):
 //   KVCACHE_CONTENT_OPS=N   long mode: the randomized configurations together run at least N
@@ -93,6 +98,7 @@ struct Request {
   // (window index, block) it released out of window that still hold its KV, as far as the
   // engine knows (no other request has written into them since).
   std::set<std::pair<std::size_t, BlockId>> released;
+  SeqId family = -1;  // the request it was forked from, transitively (itself if not forked)
 
   std::int32_t size() const { return static_cast<std::int32_t>(tokens.size()); }
   bool InPrefill() const { return filled < size(); }
@@ -188,6 +194,7 @@ class FakeEngine {
       return m_.AddSequence(id, std::make_shared<const PreparedPrompt>(std::move(p)), options, prefill);
     });
     Request& r = live_[id];
+    r.family = id;
     r.extras = options.extras;
     for (const TokenId t : prompt) r.Append(t);
     r.prompt_len = r.size();
@@ -227,9 +234,11 @@ class FakeEngine {
     // A chunk's first query sits at position `anchor` and attends [anchor + 1 - W, anchor]:
     // the window of a sequence of anchor + 1 tokens.
     for (std::size_t i = 0; i < ids.size(); ++i) CheckWindows(ids[i], anchors[i] + 1, "chunk");
+    CheckFamilies(ids, "chunk (fork)");
   }
 
-  /// One decode step of a batch: AddTokens, then the KV of each new token, then the checks.
+  /// One decode step of a batch: AddTokens, then the KV of each new token, then the checks
+  /// (of the forks of the batch's requests too: a write into a block a fork shares shows there).
   void Step(const std::vector<SeqId>& ids, const std::vector<TokenId>& tokens) {
     Guarded("AddTokens", [&] { m_.AddTokens(ids.data(), tokens.data(), ids.size()); });
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -240,6 +249,19 @@ class FakeEngine {
     // All writes first: a write that lands in another batch member's block must show.
     WritePending(ids);
     for (const SeqId id : ids) CheckWindows(id, live_.at(id).size(), "decode");
+    CheckFamilies(ids, "decode (fork)");
+  }
+
+  /// ForkSequence: each child is its parent's copy (tokens, KV, release records), then reads
+  /// what its parent attends: the parent's own KV, through the shared blocks.
+  void Fork(SeqId parent, const std::vector<SeqId>& children) {
+    Guarded("ForkSequence", [&] { m_.ForkSequence(parent, children.data(), children.size()); });
+    for (const SeqId c : children) {
+      live_[c] = live_.at(parent);
+      Observe(c);
+      if (Blocks(c) != Blocks(parent)) Report(Anomaly{"fork does not share the parent's blocks", context_, "fork", c});
+      CheckWindows(c, live_.at(c).filled, "fork");
+    }
   }
   void Step(SeqId id, TokenId token) { Step(std::vector<SeqId>{id}, std::vector<TokenId>{token}); }
 
@@ -385,6 +407,17 @@ class FakeEngine {
         }
       }
       r.written = std::max(r.written, r.filled);
+    }
+  }
+
+  // After `ids` wrote: every other live request of their families (forks of one another) still
+  // reads its own KV where it attends (a sibling that wrote a block they share did not copy it).
+  void CheckFamilies(const std::vector<SeqId>& ids, const char* phase) {
+    std::set<SeqId> families;
+    for (const SeqId id : ids) families.insert(live_.at(id).family);
+    for (const auto& [id, r] : live_) {
+      if (families.count(r.family) == 0 || std::find(ids.begin(), ids.end(), id) != ids.end()) continue;
+      CheckWindows(id, r.filled, phase);
     }
   }
 
@@ -815,6 +848,10 @@ struct RunStats {
   std::int64_t chunked = 0;  // requests added with a first chunk only
   std::int64_t chunks = 0;   // later Prefill chunks
   std::int64_t chunk_batches = 0;  // Prefill calls with several sequences' chunks
+  std::int64_t forks = 0;          // ForkSequence calls (beam search, parallel sampling)
+  std::int64_t fork_children = 0;
+  std::int64_t beam_steps = 0;     // AddTokens calls over a parent and its new children
+  std::int64_t copied_on_write = 0;
   std::string fatal;  // an unexpected exception ended the run
 };
 
@@ -958,7 +995,8 @@ class ContentRun {
     const std::uint64_t dice = Rand(100);
     if (engine_.live().empty() || dice < 18) return Add();
     if (dice < 30) return PrefillSome();
-    if (dice < 52) return Decode();
+    if (dice < 46) return Decode();
+    if (dice < 52) return ForkSome();
     if (dice < 60) return config_.max_draft > 0 ? Draft() : Decode();
     if (dice < 66) return RewindSome();
     if (dice < 74) return (void)engine_.StoreContext(PickLive());
@@ -1075,6 +1113,38 @@ class ContentRun {
     }
   }
 
+  // Beam search / parallel sampling: forks a live request (decoding, or in chunked prefill)
+  // into 1..3 children; most of the time the family then takes one step in one AddTokens call
+  // with a different token each (the beams diverge: every shared partial block is copied but
+  // the last holder's). Pruning is Remove; the children decode, draft, rewind, store and pin
+  // like any request.
+  void ForkSome() {
+    if (engine_.live().size() >= 8) return Decode();
+    const SeqId parent = PickLive();
+    const auto k = static_cast<std::int32_t>(1 + Rand(3));
+    std::vector<SeqId> children;
+    for (std::int32_t i = 0; i < k; ++i) children.push_back(next_id_++);
+    if (Chance(3)) children.push_back(children.front());  // refused: a repeated child id
+    try {
+      engine_.Fork(parent, children);
+    } catch (const std::invalid_argument&) {
+      return;  // the engine checked that nothing changed
+    }
+    ++stats_.forks;
+    stats_.fork_children += k;
+    const Request& p = engine_.request(parent);
+    if (p.InPrefill() || p.size() >= kMaxSeqLen || !Chance(70)) return;
+    std::vector<SeqId> family{parent};
+    family.insert(family.end(), children.begin(), children.end());
+    std::vector<TokenId> tokens;
+    for (std::size_t i = 0; i < family.size(); ++i) tokens.push_back(i == 0 ? NextToken(p) : RandomToken());
+    engine_.Step(family, tokens);
+    ++stats_.beam_steps;
+    for (const SeqId id : family) {
+      if (engine_.request(id).size() >= kMaxSeqLen) Remove(id, /*store_for_reuse=*/true);
+    }
+  }
+
   // Speculative decoding: append up to max_draft guesses, compute them, reject some.
   void Draft() {
     const SeqId id = PickDecoding();
@@ -1179,6 +1249,7 @@ class ContentRun {
     stats_.offloaded = stats.offloaded_blocks;
     stats_.onboarded = stats.onboarded_blocks;
     stats_.lent_slabs = stats.lent_slabs;
+    stats_.copied_on_write = stats.copied_on_write_blocks;
     // Every pin was dropped exactly as taken: nothing may stay referenced.
     stats_.held_after_drain = stats.used_num_blocks;
   }
@@ -1208,7 +1279,8 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
        << s.reused_tokens << " tokens), " << s.out_of_blocks << " out-of-blocks, " << s.rewinds_below_prompt
        << " rewinds below prompt (" << s.rewinds_refused << " refused), " << s.chunked << " chunked prompts ("
        << s.chunks << " more chunks, " << s.chunk_batches << " calls with several), " << s.pins << " pins, "
-       << s.invalidated << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.held_after_drain
+       << s.invalidated << " invalidated, " << s.offloaded << " offloaded, " << s.onboarded << " onboarded, " << s.lent_slabs << " slabs lent, " << s.forks << " forks (" << s.fork_children << " children, "
+       << s.beam_steps << " beam steps, " << s.copied_on_write << " blocks copied on write), " << s.held_after_drain
        << " blocks held after drain";
   std::printf("%s\n", line.str().c_str());
   RecordProperty("operations", static_cast<int>(s.operations));
@@ -1227,6 +1299,8 @@ TEST_P(StaleKvContentTest, EveryAttendedPositionHoldsItsOwnPrefix) {
   EXPECT_GT(s.positions_checked, s.operations);
   EXPECT_GT(s.chunks, 0) << "no chunked prefill";
   EXPECT_GT(s.chunk_batches, 0) << "no step prefilled several requests in one call";
+  EXPECT_GT(s.beam_steps, 0) << "no forked family stepped together";
+  EXPECT_GT(s.copied_on_write, 0) << "no write copied a shared block";
   if (config.lend) {
     EXPECT_GT(s.lent_slabs, 0) << "no window lent memory: the run tests no lending";
   }

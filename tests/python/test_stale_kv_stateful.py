@@ -190,6 +190,37 @@ class StaleKvMachine(RuleBasedStateMachine):
         for rid, token in zip(batch, new, strict=True):
             self.seqs[rid].tokens.append(token)
 
+    @precondition(lambda self: 0 < len(self.seqs) <= 4)  # max_batch_size 6
+    @rule(data=st.data(), k=st.integers(1, 2), together=st.booleans())
+    def fork(self, data: st.DataObject, k: int, together: bool) -> None:
+        """Beam search: forks a request into k children (they read the parent's KV through the
+        shared blocks) and, if ``together``, steps the family in one add_tokens call with a
+        different token each (the beams diverge; shared partial blocks are copied on write)."""
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        p = self.seqs[parent]
+        kids = list(range(self.next_id, self.next_id + k))
+        self.next_id += k
+        self.m.fork_sequence(parent, kids)
+        for c in kids:
+            self.seqs[c] = Seq(list(p.tokens), p.lora, written=p.written, tags=list(p.tags))
+            assert self.m.num_tokens(c) == len(p.tokens)
+            self._check(c, 0, p.written, window_only=False)
+        if not together or len(p.tokens) >= MAX_SEQ_LEN:
+            return
+        family = [parent, *kids]
+        for rid in family:
+            self._write(rid, len(self.seqs[rid].tokens))
+            self._check(rid, 0, len(self.seqs[rid].tokens), window_only=True)
+        greedy = p.tag_at(len(p.tokens) - 1) % 5 + 1
+        new = [(greedy + i - 1) % 5 + 1 for i in range(len(family))]  # all different
+        try:
+            self.m.add_tokens(family, new)
+        except OutOfBlocksError:
+            self.remove_newest()
+            return
+        for rid, token in zip(family, new, strict=True):
+            self.seqs[rid].tokens.append(token)
+
     def remove_newest(self) -> None:
         rid = max(self.seqs)
         self.m.remove_sequence(rid, store_for_reuse=False)

@@ -67,6 +67,14 @@ struct Registration {
 std::int64_t PeakNew(std::int64_t n, std::int64_t size, std::int64_t final, const Registration* reg,
                      std::int64_t window, std::int64_t keep, std::int32_t tokens_per_block);
 
+/// Most blocks one more beam forked from a sequence of `fork_len` tokens takes while it grows to
+/// `final` tokens (0 when final <= fork_len): a copy of the shared partial last block and the
+/// blocks its own tokens start. Its own blocks are at most the blocks it holds (a sliding
+/// window: PeakLiveBlocks), and the full blocks before the fork stay shared (never counted
+/// twice): min(PeakLiveBlocks(fork_len + 1, final), ceil(final / tpb) - floor(fork_len / tpb)).
+std::int64_t ForkedBeamBlocks(std::int64_t fork_len, std::int64_t final, std::int64_t keep,
+                              std::int32_t tokens_per_block);
+
 /// Most blocks one sequence holds in a window from registration to `final` tokens, with
 /// nothing reused and its `n`-token prompt prefilled in chunks of at most `chunk` tokens
 /// (chunk <= 0: whole): what it needs from an otherwise empty pool.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -117,6 +118,11 @@ struct KvCacheStats {
   /// owns now (its initial blocks without lending).
   std::int64_t lent_slabs = 0;
   std::map<WindowSize, std::int64_t> num_owned_blocks_per_window_size;
+  /// Forks (ForkSequence): block references that children took from their parents (summed over
+  /// windows; no block is taken), and private copies that a write into a shared block made
+  /// (copy-on-write, by AddTokens, Prefill and Rewind).
+  std::int64_t forked_blocks = 0;
+  std::int64_t copied_on_write_blocks = 0;
 };
 
 /// Per-request reuse counters (summed over windows).
@@ -195,7 +201,8 @@ class KVCacheManager {
   /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
   /// Without that those calls are bookkeeping alone, and the Python bindings keep the GIL for
   /// them. (Rewind copies a shared tail block whenever the backend has memory.)
-  bool MayCopyBlocks() const { return may_copy_; }
+  /// After a fork, AddTokens and Prefill may also copy a shared block (copy-on-write).
+  bool MayCopyBlocks() const { return may_copy_.load(std::memory_order_relaxed); }
   /// Pools in global order: ascending window, then ascending (KV-head count, head size, dtype)
   /// with dtypes in DType order.
   std::vector<PoolInfo> pools() const;
@@ -284,6 +291,14 @@ class KVCacheManager {
   void SetFakeTimeMs(std::int64_t now_ms);
   /// Drops the last `num_tokens` tokens of `id`, releasing blocks that become empty.
   void Rewind(SeqId id, std::int32_t num_tokens);
+  /// Registers each children[i] as a copy of sequence `parent` (beam search, parallel sampling):
+  /// same tokens, prompt, options and reuse state, sharing every block the parent holds in every
+  /// window (one more reference each, no block taken, nothing copied) and the parent's release
+  /// records. A later write into a block that is not private (AddTokens, Prefill, Rewind into it)
+  /// first gives the writer a private copy of the block's tokens (copy-on-write). Unknown parent:
+  /// UnknownSequenceError; a child id < 0, equal to the parent, registered or repeated:
+  /// std::invalid_argument; more than max_batch_size sequences: KVCacheError. All or nothing.
+  void ForkSequence(SeqId parent, const SeqId* children, std::size_t n);
 
   std::int32_t NumTokens(SeqId id) const;
   bool HasSequence(SeqId id) const;
@@ -367,6 +382,10 @@ class KVCacheManager {
   /// what it needs from an otherwise empty pool.
   std::vector<std::int64_t> GetBlocksToRunAlone(std::int32_t prompt_len, std::int32_t final_tokens,
                                                 std::int32_t chunk) const;
+  /// Per window: the most free blocks one more beam forked (ForkSequence) from a sequence of
+  /// `fork_tokens` tokens takes before it holds `final_tokens` tokens (block_math::ForkedBeamBlocks):
+  /// its copy of the shared partial block and its own new blocks, never the shared ones.
+  std::vector<std::int64_t> GetForkedBeamBlocks(std::int32_t fork_tokens, std::int32_t final_tokens) const;
   /// Extra references of blocks held more than once in a window that releases blocks (sequences
   /// and pins): the releases the per-sequence estimates credit but that free nothing.
   std::int64_t GetNumSharedBlocks(WindowSize window) const;
@@ -403,6 +422,8 @@ class KVCacheManager {
     std::int64_t alloc_new = 0;
     std::int64_t reused = 0;
     std::int64_t missed = 0;
+    std::int64_t forked = 0;  // references taken by ForkSequence
+    std::int64_t copied = 0;  // copy-on-write copies
   };
 
   Sequence& Find(SeqId id);
@@ -415,6 +436,9 @@ class KVCacheManager {
   /// Blocks of `seq` in window `w` from its released front up to position `target` that another
   /// holder also holds: releasing them frees nothing.
   std::int32_t SharedReleases(const Sequence& seq, std::size_t w, std::int32_t target) const;
+  /// 1 if the next token of `seq` (decoded or prefilled) lands in a block of window `w` that is
+  /// not private (shared with a fork, cached or recorded): its copy-on-write takes a block.
+  std::int32_t CopyNeed(const Sequence& seq, std::size_t w) const;
   /// Free blocks window `w` has lost to `seq` after appending token `m` (its allocations less
   /// its private releases; negative when it frees).
   std::int64_t DecodeDelta(const Sequence& seq, std::size_t w, std::int64_t m) const;
@@ -451,10 +475,10 @@ class KVCacheManager {
     return seq;
   }
   [[noreturn]] static void ThrowRepeated(SeqId id, const char* call);
-  /// Whether every window can hand out `need` blocks once the batch's releases are counted
-  /// (slab borrowing planned by the lender): -1 if so, else the first window that cannot;
+  /// Whether every window w can hand out check_need_[w] blocks once the batch's releases are
+  /// counted (slab borrowing planned by the lender): -1 if so, else the first window that cannot;
   /// check_available_ then holds what each window can give.
-  std::int64_t ShortWindowForBatch(std::int64_t need);
+  std::int64_t ShortWindowForBatch();
   /// Carries out the lender's plan (SlabLender::MoveSlabs) before a call changes anything else;
   /// sequences that had released a lent block out of window become invalid for reuse.
   void MoveSlabs();
@@ -511,6 +535,18 @@ class KVCacheManager {
   /// True if block position `j` of `seq` in window `w` may be written in place: no other holder,
   /// no cached identity and no other sequence's record of its content.
   bool IsPrivate(const Sequence& seq, std::size_t w, std::int32_t j) const;
+  /// The one door of copy-on-write: position `j` of `seq` in window `w`, not private, gets a fresh
+  /// block (AttachFresh) holding a copy of the first `num_tokens` tokens of the block it held
+  /// (held until copied). Precondition: a free block.
+  void CopyOnWrite(Sequence& seq, std::size_t w, std::int32_t j, std::int32_t num_tokens);
+  /// The copies a batch call's writes into existing blocks take, added to check_need_ per
+  /// window: batch_write_[i] >= 0 is the block position that batch_[i] writes into in place. A
+  /// block several members write takes one copy per writer, less one if they are all its holders
+  /// and nothing else records it (the last writer then finds it private).
+  /// Returns the copies summed over windows.
+  std::int64_t CountBatchCopies();
+  /// Carries out the copies CountBatchCopies counted, in batch order (after the releases).
+  void CopyBatchWrites();
 
   // ---- Admission (kv_cache_manager_admission.cpp).
   /// What AddSequence of one prompt hands out, from its reuse plan.
@@ -657,7 +693,8 @@ class KVCacheManager {
   /// Slab lending (or none): declared before windows_, so its arena is freed after them.
   std::unique_ptr<SlabLender> lender_;
   std::vector<std::unique_ptr<WindowBlockManager>> windows_;
-  bool may_copy_ = false;  ///< MayCopyBlocks()
+  std::atomic<bool> may_copy_{false};  ///< MayCopyBlocks() (set by ForkSequence too)
+  bool forked_ = false;  ///< A fork happened: batch writes check that their blocks are private.
   std::vector<WindowCounters> counters_;
   std::vector<std::pair<std::int32_t, std::int32_t>> layer_to_pool_;
   std::vector<std::pair<std::size_t, std::size_t>> pool_index_;  // global pool -> (window, pool)
@@ -690,10 +727,12 @@ class KVCacheManager {
   // allocations on the per-step path.
   std::vector<Sequence*> batch_;
   std::vector<char> batch_new_block_;  // per batch_ entry: its new token starts a block
+  std::vector<std::int32_t> batch_write_;  // per batch_ entry: the position written in place, or -1
+  std::vector<std::int32_t> batch_kept_;   // per batch_ entry: the tokens that block held before
   std::vector<BlockId> shared_release_;
   // Per window, the blocks check of AddSequence, Prefill and AddTokens (kept: no allocation
   // per call): blocks needed, blocks it can hand out, and (AddTokens) whether releases count.
-  std::vector<std::int64_t> check_need_;
+  std::vector<std::int64_t> check_need_;  // (AddTokens, Prefill: filled before ShortWindowForBatch)
   std::vector<std::int64_t> check_available_;
   std::vector<char> batch_counted_;
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach

@@ -193,6 +193,8 @@ class WindowBlockManager {
   void ReleaseN(const BlockId* blocks, std::int32_t n, bool reverse, bool to_front = false, SeqId released_by = -1);
   /// Removes one record of `seq` from `b`'s releasers (the sequence ended).
   void ForgetRelease(BlockId b, SeqId seq);
+  /// Adds `seq` to `b`'s releasers without a release (a fork copies its parent's record of `b`).
+  void RecordRelease(BlockId b, SeqId seq);
   /// Whether a live sequence released `b` out of window since its last Grant.
   bool HasReleasers(BlockId b) const { return state_[b].releaser >= 0; }
   /// Live sequences that released `b` out of window since its last Grant (checks and tests).

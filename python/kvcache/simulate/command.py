@@ -21,6 +21,7 @@ from typing import Any
 from kvcache.config import SHARE_POLICIES
 from kvcache.models import ModelPreset, load_model
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.simulate.beams import beam_footprint, format_beam_footprint
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MEMORY,
@@ -282,8 +283,20 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({worst.shares} shares): they can never fit the pools or max_seq_len",
             file=sys.stderr,
         )
+    beams = None
+    if getattr(args, "num_beams", 1) > 1:
+        beams = beam_footprint(
+            trace,
+            model,
+            num_beams=args.num_beams,
+            tokens_per_block=args.tokens_per_block or 32,
+            max_seq_len=max_seq_len,
+        )
+        print(format_beam_footprint(beams))
     if args.json is not None:
         payload = report_json(reports, workload=workload_info)
+        if beams is not None:
+            payload["beam_footprint"] = dataclasses.asdict(beams)
         try:
             Path(args.json).write_text(json.dumps(payload) + "\n", encoding="utf-8")
         except OSError as e:
