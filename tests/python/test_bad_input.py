@@ -561,6 +561,35 @@ BAD_CALLS: list[Row] = [
         ValueError,
         "request_id must be an int",
     ),
+    # forks
+    (
+        "fork_sequence-unknown-parent",
+        lambda m: m.fork_sequence(9, [10]),
+        KeyError,
+        "unknown request id 9",
+    ),
+    ("fork_sequence-itself", lambda m: m.fork_sequence(3, [4, 3]), ValueError, "into itself"),
+    ("fork_sequence-repeated", lambda m: m.fork_sequence(3, [4, 4]), ValueError, "appears twice"),
+    (
+        "fork_sequence-text",
+        lambda m: m.fork_sequence(3, "x"),
+        ValueError,
+        "child_ids must be a sequence of ints",
+    ),
+    ("fork_sequence-negative", lambda m: m.fork_sequence(3, [-1]), ValueError, "out of range"),
+    ("fork_sequence-float", lambda m: m.fork_sequence(3, [1.5]), ValueError, "got float"),
+    (
+        "get_forked_beam_blocks-negative",
+        lambda m: m.get_forked_beam_blocks(-1, 5),
+        ValueError,
+        "fork_tokens = -1 is out of range",
+    ),
+    (
+        "get_forked_beam_blocks-text",
+        lambda m: m.get_forked_beam_blocks("x", 5),
+        ValueError,
+        "fork_tokens must be an int",
+    ),
     # pins
     ("pin_blocks-unknown", lambda m: m.pin_blocks(9), KeyError, "unknown request id 9"),
     (
