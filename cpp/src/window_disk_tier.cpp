@@ -102,8 +102,18 @@ std::vector<TierSegment> WindowBlockManager::ReadDisk(BlockId d, std::vector<uns
     segments.push_back({buffer->data() + offset, pool.BlockBytes()});
     offset += pool.BlockBytes();
   }
-  tier_->Get(KeyOf(d), segments);
+  if (!tier_->Get(KeyOf(d), segments)) {
+    throw DiskReadError(index_, d, detail::Concat("window ", window_, ": disk block ", d,
+                                                  " cannot be read back intact"));
+  }
   return segments;
+}
+
+void WindowBlockManager::DropUnreadable(BlockId d) {
+  KVC_CHECK(IsDisk(d) && state_[d].ref_count == 0 && state_[d].node != kNoNode,
+            detail::Concat("window ", window_, ": unreadable block ", d, " is not an unreferenced cached disk slot"));
+  ++disk_read_failures_;
+  Drop(d);
 }
 
 void WindowBlockManager::CheckDiskSlot(BlockId d) const {

@@ -100,6 +100,8 @@ class KvCacheStats:
     owns now: with ``lend_free_memory`` they move as windows lend each other slabs
     (``lent_slabs`` counts the moves); ``num_free_blocks_per_window_size`` counts each
     window's own free blocks (``get_num_free_blocks`` adds what it could borrow).
+    ``disk_read_failures`` counts disk-tier blocks dropped because they could not be read back
+    intact (I/O error, short read, failed checksum): each was served as a miss.
     """
 
     max_num_blocks: int
@@ -115,6 +117,7 @@ class KvCacheStats:
     allocated_bytes: int = 0
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
+    disk_read_failures: int = 0
     reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     num_cached_nodes: int = 0
