@@ -393,5 +393,44 @@ TEST(DiskTierTest, AFailedPartialCopyReadIsAMissToo) {
   EXPECT_EQ(m->GetStats().used_num_blocks, 0);
 }
 
+TEST(DiskTierTest, AFailedReadInOneWindowUndoesTheRoundInEveryWindow) {
+  // Windows 32 and 64 (one layer each) both spill prompt A's block 1 to disk. Window 32 is
+  // handed out first and onboards it; window 64's copy is corrupt: the round is undone in
+  // both windows, and the request is admitted with block 0 reused in both.
+  TempDir dir;
+  ManagerConfig c = Config({32, 0}, 64, {{32, 3}, {64, 3}}, /*tpb=*/4);
+  for (const WindowSize w : {32, 64}) {
+    c.blocks_per_window[w].secondary = 1;
+    c.disk_blocks_per_window[w] = 4;
+  }
+  c.enable_block_reuse = true;
+  c.event_buffer_max_size = 1000;
+  c.disk_cache_dir = dir.path();
+  KVCacheManager m(Model(2), c);
+  const auto a = Iota(9);
+  Add(m, 1, a);
+  m.RemoveSequence(1);
+  Add(m, 2, Iota(9, 100));
+  m.RemoveSequence(2, /*store_for_reuse=*/false);
+  FlipByte(dir.File("-window-64.kvblocks"), static_cast<std::streamoff>(kDiskSlotHeader + 3));
+  EXPECT_EQ(Add(m, 3, a), 4);
+  for (const WindowSize w : {32, 64}) {
+    for (const BlockId b : m.GetCacheBlockIds(3, w)) EXPECT_TRUE(b >= 0 && b < 3) << w << ": " << b;
+  }
+  const KvCacheStats stats = m.GetStats();
+  EXPECT_EQ(stats.disk_read_failures, 1);
+  // Counted once, for the round that stood: 1 block reused and 2 missed per window.
+  EXPECT_EQ(stats.reused_blocks_per_window_size, (std::map<WindowSize, std::int64_t>{{32, 1}, {64, 1}}));
+  EXPECT_EQ(stats.missed_blocks_per_window_size, (std::map<WindowSize, std::int64_t>{{32, 8}, {64, 8}}));
+  // The undone round's onboards stand (a0 and a1 in window 32, a0 in window 64); the next shares them.
+  EXPECT_EQ(stats.onboarded_blocks, 2 + 1);
+  m.CheckInvariants();
+  m.RemoveSequence(3);
+  m.CheckInvariants();
+  EXPECT_EQ(m.GetStats().used_num_blocks, 0);
+  EXPECT_EQ(Add(m, 4, a), 8);  // window 32 kept its onboarded block 1; window 64 recomputed its
+  m.CheckInvariants();
+}
+
 }  // namespace
 }  // namespace kvcache

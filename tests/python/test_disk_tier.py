@@ -286,9 +286,9 @@ def test_an_unusable_directory_is_refused_at_construction(tmp_path: Path) -> Non
         spill(str(plain))
 
 
-def _child(*args: str, prefix: list[str] | None = None) -> dict[str, object]:
-    """Runs this file's __main__ with `args` (after `prefix`, e.g. unshare), returns its JSON."""
-    cmd = [*(prefix or []), sys.executable, __file__, *args]
+def _child(*args: str) -> dict[str, object]:
+    """Runs this file's __main__ with `args` in a child process; returns what it printed."""
+    cmd = [sys.executable, __file__, *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])

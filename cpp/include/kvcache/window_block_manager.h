@@ -226,7 +226,8 @@ class WindowBlockManager {
   /// Throws DiskReadError, with `dst` untouched, when disk slot `src` cannot be read intact.
   void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
   /// Drops unreferenced disk slot `d`, whose content could not be read back (DiskReadError),
-  /// like Drop (with what cascades below it), and counts it in disk_read_failures().
+  /// like Drop (with what cascades below it; nothing if a drop unlinked it meanwhile), and
+  /// counts it in disk_read_failures().
   void DropUnreadable(BlockId d);
 
   /// Links unlinked block `b` to tree node `node` (whose slot for this window is empty).
@@ -344,6 +345,7 @@ class WindowBlockManager {
   std::shared_ptr<SecondaryTier> tier_;
   std::uint64_t disk_clock_ = 0;
   std::vector<std::uint64_t> disk_stamp_;  // per disk slot: LRU stamp, 0 when not in the LRU
+  std::vector<std::uint64_t> disk_hash_;   // per disk slot: key hash of the content last stored
   std::set<std::pair<std::uint64_t, BlockId>> disk_lru_;
   std::vector<BlockId> disk_free_;
   std::vector<bool> disk_in_free_;
