@@ -173,7 +173,8 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   std::vector<char> src_held(windows_.size(), 0);
   // A disk block that cannot be read back intact ends the round: the round is undone, the block
   // dropped (with what cascades below it) and the prompt planned again, so the hit stops before
-  // it (a miss from there on). Each round drops one cached disk block, so the loop ends.
+  // it (a miss from there on). Each round takes a disk block off the prompt's path and none
+  // joins it (spills move other content: the path's blocks are claimed), so the loop ends.
   for (;;) {
     const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
     const Admission a = PlanAdmission(plan, n, prefill);
