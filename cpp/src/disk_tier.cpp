@@ -1,9 +1,12 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -49,18 +52,42 @@ std::size_t TotalBytes(const std::vector<TierSegment>& segments) {
   return total;
 }
 
-/// Reads or writes all `bytes` at `offset`; false on an error or end of file.
-bool Transfer(int fd, void* data, std::size_t bytes, off_t offset, bool write) {
-  auto* p = static_cast<unsigned char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = write ? pwrite(fd, p, bytes, offset) : pread(fd, p, bytes, offset);
+/// Skips the entries of iov[*i..) that `done` bytes completed (and empty ones).
+void Advance(std::vector<iovec>* iov, std::size_t* i, std::size_t done) {
+  std::vector<iovec>& v = *iov;
+  while (*i < v.size() && (done >= v[*i].iov_len)) {
+    done -= v[*i].iov_len;
+    ++*i;
+  }
+  if (*i < v.size() && done > 0) {
+    v[*i].iov_base = static_cast<unsigned char*>(v[*i].iov_base) + done;
+    v[*i].iov_len -= done;
+  }
+}
+
+/// Reads or writes all of `iov` from `offset` with vectored calls (one request for a slot's
+/// header and bytes); false on an error or end of file.
+bool Transfer(int fd, std::vector<iovec> iov, off_t offset, bool write) {
+  std::size_t i = 0;
+  Advance(&iov, &i, 0);
+  while (i < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - i, IOV_MAX));
+    const ssize_t n = write ? pwritev(fd, &iov[i], count, offset) : preadv(fd, &iov[i], count, offset);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
     offset += n;
+    Advance(&iov, &i, static_cast<std::size_t>(n));
   }
   return true;
+}
+
+/// The slot's header, then its segments.
+std::vector<iovec> SlotVector(SlotHeader* header, const std::vector<TierSegment>& segments) {
+  std::vector<iovec> iov;
+  iov.reserve(segments.size() + 1);
+  iov.push_back({header, sizeof *header});
+  for (const TierSegment& s : segments) iov.push_back({s.data, s.bytes});
+  return iov;
 }
 
 /// A random 64-bit id as 16 hex digits (std::random_device: getrandom or /dev/urandom on Linux).
@@ -133,14 +160,7 @@ class DiskTier final : public SecondaryTier {
     header.hash = key.hash;
     header.bytes = TotalBytes(segments);
     header.checksum = Checksum(segments);
-    off_t offset = Offset(key, header.bytes);
-    if (!Transfer(fd, &header, sizeof header, offset, /*write=*/true)) return false;
-    offset += static_cast<off_t>(sizeof header);
-    for (const TierSegment& s : segments) {
-      if (!Transfer(fd, s.data, s.bytes, offset, /*write=*/true)) return false;
-      offset += static_cast<off_t>(s.bytes);
-    }
-    return true;
+    return Transfer(fd, SlotVector(&header, segments), Offset(key, header.bytes), /*write=*/true);
   }
 
   bool Get(const TierKey& key, const std::vector<TierSegment>& segments) override {
@@ -148,15 +168,9 @@ class DiskTier final : public SecondaryTier {
     if (it == files_.end()) return false;
     const std::size_t total = TotalBytes(segments);
     SlotHeader header;
-    off_t offset = Offset(key, total);
-    if (!Transfer(it->second, &header, sizeof header, offset, /*write=*/false)) return false;
-    if (header.magic != kMagic || header.hash != key.hash || header.bytes != total) return false;
-    offset += static_cast<off_t>(sizeof header);
-    for (const TierSegment& s : segments) {
-      if (!Transfer(it->second, s.data, s.bytes, offset, /*write=*/false)) return false;
-      offset += static_cast<off_t>(s.bytes);
-    }
-    return Checksum(segments) == header.checksum;
+    if (!Transfer(it->second, SlotVector(&header, segments), Offset(key, total), /*write=*/false)) return false;
+    return header.magic == kMagic && header.hash == key.hash && header.bytes == total &&
+           Checksum(segments) == header.checksum;
   }
 
   void Erase(const TierKey& /*key*/) override {
