@@ -291,6 +291,7 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["allocated_bytes"] = s.allocated_bytes;
   d["offloaded_blocks"] = s.offloaded_blocks;
   d["onboarded_blocks"] = s.onboarded_blocks;
+  d["disk_read_failures"] = s.disk_read_failures;
   d["reused_blocks_per_window_size"] = s.reused_blocks_per_window_size;
   d["missed_blocks_per_window_size"] = s.missed_blocks_per_window_size;
   d["num_cached_nodes"] = s.num_cached_nodes;

@@ -1,6 +1,7 @@
 #include "kvcache/block_key.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "kvcache/errors.h"
@@ -35,6 +36,8 @@ constexpr std::uint64_t kTagSalt = 0xd0086b4b995ed535ULL;
 constexpr std::uint64_t kTagMmSum = 0x8a1f03fcf52d60d3ULL;
 constexpr std::uint64_t kTagMmCount = 0xa4508f039cd3f62bULL;
 constexpr std::uint64_t kTagItem = 0xc3977540eddeb407ULL;
+// Added later, by the same rules (odd, 32 bits set, bits 31 and 63 set): an item's length.
+constexpr std::uint64_t kTagItemLength = 0xa6e1b0f3c58d2a47ULL;
 constexpr std::uint64_t kHalfLo = 0x8dc9d40791017ebdULL;
 constexpr std::uint64_t kHalfHi = 0x870da2019b6d791dULL;
 constexpr std::uint64_t kDigestSeed = 0x964584bc8f596069ULL;
@@ -63,14 +66,24 @@ inline std::uint64_t Round(std::uint64_t lane, const TokenId* t, std::uint64_t k
   return Mum(lane ^ Word(t), Word(t + 2) ^ k);
 }
 
+/// Eight bytes as one word, in the machine's byte order (HashBytes is for local checksums).
+inline std::uint64_t Load(const unsigned char* p) noexcept {
+  std::uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 /// Absorbs a 64-bit value into `h`, half by half so that no value can cancel the state.
 inline std::uint64_t Absorb(std::uint64_t h, std::uint64_t tag, std::uint64_t v) noexcept {
   h = Mum(h ^ tag, (v & 0xffffffffULL) ^ kHalfLo);
   return Mum(h ^ kMergeA, (v >> 32) ^ kHalfHi);
 }
 
-std::uint64_t ItemDigest(std::uint64_t hash, std::int64_t offset) noexcept {
-  const std::uint64_t h = Absorb(kDigestSeed, kTagItem, static_cast<std::uint64_t>(offset));
+/// One item as a block sees it: its content hash, its start relative to the block and its
+/// length (the same content over fewer positions is a different input to those positions).
+std::uint64_t ItemDigest(std::uint64_t hash, std::int64_t offset, std::int32_t length) noexcept {
+  std::uint64_t h = Absorb(kDigestSeed, kTagItem, static_cast<std::uint64_t>(offset));
+  h = Absorb(h, kTagItemLength, static_cast<std::uint64_t>(length));
   return Absorb(h, kTagItem, hash);
 }
 
@@ -149,6 +162,38 @@ std::uint64_t HashTokens(std::uint64_t seed, const TokenId* tokens, std::size_t 
   return Mum(h ^ kFinal, kFinalMul);
 }
 
+std::uint64_t HashBytes(std::uint64_t seed, const void* data, std::size_t n) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const std::uint64_t s = Mum(seed ^ kSeedA, kSeedB);
+  std::uint64_t a = s ^ kLane[0];
+  std::uint64_t b = s ^ kLane[1];
+  std::uint64_t c = s ^ kLane[2];
+  std::uint64_t d = s ^ kLane[3];
+  std::size_t left = n;
+  // Four independent lanes of 16 bytes each, as in HashTokens.
+  while (left >= 64) {
+    a = Mum(a ^ Load(p), Load(p + 8) ^ kMul[0]);
+    b = Mum(b ^ Load(p + 16), Load(p + 24) ^ kMul[1]);
+    c = Mum(c ^ Load(p + 32), Load(p + 40) ^ kMul[2]);
+    d = Mum(d ^ Load(p + 48), Load(p + 56) ^ kMul[3]);
+    p += 64;
+    left -= 64;
+  }
+  while (left >= 16) {
+    a = Mum(a ^ Load(p), Load(p + 8) ^ kMul[0]);
+    p += 16;
+    left -= 16;
+  }
+  if (left > 0) {
+    unsigned char tail[16] = {};
+    std::memcpy(tail, p, left);
+    d = Mum(d ^ Load(tail), Load(tail + 8) ^ kMul[3]);
+  }
+  std::uint64_t h = Mum(a ^ kMergeA, b ^ kMergeB) ^ Mum(c ^ kMergeC, d ^ kMergeD);
+  h = Mum(h ^ kLenA, static_cast<std::uint64_t>(n) ^ kLenB);
+  return Mum(h ^ kFinal, kFinalMul);
+}
+
 std::uint64_t BlockExtrasDigest(const ReuseExtras& extras, std::int32_t block_index,
                                 std::int32_t start, std::int32_t n) {
   if (n < 0) ThrowInvalid("BlockExtrasDigest: n = ", n, " must be >= 0");
@@ -157,7 +202,7 @@ std::uint64_t BlockExtrasDigest(const ReuseExtras& extras, std::int32_t block_in
   std::uint64_t count = 0;
   for (const MultimodalItem& item : extras.multimodal) {
     if (!Overlaps(item, start, n)) continue;
-    sum += ItemDigest(item.hash, static_cast<std::int64_t>(item.start) - start);
+    sum += ItemDigest(item.hash, static_cast<std::int64_t>(item.start) - start, item.length);
     ++count;
   }
   return Digest(extras, block_index, sum, count);
@@ -208,7 +253,7 @@ void ChainHashes(const TokenId* tokens, std::size_t n, std::int32_t tokens_per_b
       for (std::int32_t b = first; b <= last; ++b) {
         const std::int64_t offset = static_cast<std::int64_t>(item.start) -
                                     static_cast<std::int64_t>(b) * tokens_per_block;
-        mm_sum[static_cast<std::size_t>(b)] += ItemDigest(item.hash, offset);
+        mm_sum[static_cast<std::size_t>(b)] += ItemDigest(item.hash, offset, item.length);
         ++mm_count[static_cast<std::size_t>(b)];
       }
     }

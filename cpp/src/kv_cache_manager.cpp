@@ -116,6 +116,7 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   backend_ = MakeBackend(config.backend);
   MakeWindows(config, PlanPools(model, layer_window));
   check_need_.assign(window_sizes_.size(), 0);
+  admit_fresh_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
   batch_counted_.assign(window_sizes_.size(), 0);
   counters_.assign(windows_.size(), WindowCounters{});
@@ -682,6 +683,7 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.copied_on_write_blocks += counters_[w].copied;
     s.offloaded_blocks += wm.offloaded_blocks();
     s.onboarded_blocks += wm.onboarded_blocks();
+    s.disk_read_failures += wm.disk_read_failures();
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
   s.lent_slabs = lender_->lent_slabs();

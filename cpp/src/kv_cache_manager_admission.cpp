@@ -167,27 +167,58 @@ std::int32_t KVCacheManager::AddSequence(SeqId id, std::shared_ptr<const Prepare
 std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, std::size_t n,
                                                const SequenceOptions& options, std::optional<std::int32_t> prefill,
                                                std::shared_ptr<const PreparedPrompt> prepared) {
+  // `prepared` (the caller's tokens, if prepared) stays alive here while a round is undone.
   const ReuseExtras& extras = prepared != nullptr ? prepared->extras : options.extras;
   ValidateAdmission(id, tokens, n, options, extras, prefill, prepared != nullptr);
-  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
-  const Admission a = PlanAdmission(plan, n, prefill);
-  CheckAdmissionBlocks(id, n, plan, a);
-  Sequence& seq = RegisterSequence(id, tokens, n, options, extras, std::move(prepared), a, plan.reused_tokens);
   std::vector<char> src_held(windows_.size(), 0);
-  ClaimReused(seq, plan, a, &src_held);
+  // A disk block that cannot be read back intact ends the round: the round is undone, the block
+  // dropped (with what cascades below it) and the prompt planned again, so the hit stops before
+  // it (a miss from there on). Each round takes a disk block off the prompt's path and none
+  // joins it (spills move other content: the path's blocks are claimed), so the loop ends.
+  for (;;) {
+    const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
+    const Admission a = PlanAdmission(plan, n, prefill);
+    CheckAdmissionBlocks(id, n, plan, a);
+    Sequence& seq = RegisterSequence(id, tokens, n, options, extras, prepared, a, plan.reused_tokens);
+    std::fill(src_held.begin(), src_held.end(), 0);
+    try {
+      Admit(seq, plan, a, &src_held);
+      return plan.reused_tokens;
+    } catch (const DiskReadError& e) {
+      UndoAdmission(seq, plan, src_held);
+      windows_[static_cast<std::size_t>(e.window_index())]->DropUnreadable(e.block());
+    }
+  }
+}
+
+void KVCacheManager::Admit(Sequence& seq, const ReusePlan& plan, const Admission& a, std::vector<char>* src_held) {
+  ClaimReused(seq, plan, a, src_held);
   // Slabs move once the reused blocks are held: a lent block's eviction (and an offload's
   // drop of the oldest host block) cannot reach them then. Free partial sources are kept.
   MoveSlabs();
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     if (a.has_partial && plan.partial_takeover[w]) Attach(seq, w, a.full, Handout::kTakeOver, plan.partial_src[w]);
   }
-  for (std::size_t w = 0; w < windows_.size(); ++w) {
-    CountAdmission(seq, w, a, HandOutPrompt(seq, w, plan, a, src_held[w] != 0));
-  }
+  std::vector<std::int64_t>& fresh = admit_fresh_;
+  for (std::size_t w = 0; w < windows_.size(); ++w) fresh[w] = HandOutPrompt(seq, w, plan, a, &(*src_held)[w]);
+  // Counted once every window has its blocks: a round undone counts nothing.
+  for (std::size_t w = 0; w < windows_.size(); ++w) CountAdmission(seq, w, a, fresh[w]);
   // Onboards, partial copies and offloads must land before the engine reads or overwrites
   // these blocks: the call returns with every copy complete.
   backend_->Synchronize();
-  return plan.reused_tokens;
+}
+
+void KVCacheManager::UndoAdmission(Sequence& seq, const ReusePlan& plan, const std::vector<char>& src_held) {
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    WindowBlockManager& wm = *windows_[w];
+    if (src_held[w] != 0) wm.Release(plan.partial_src[w]);
+    const std::vector<BlockId>& blocks = seq.windows[w].blocks;
+    // Newest first, like a sequence's end; positions not reached yet hold nothing.
+    for (std::size_t j = blocks.size(); j-- > 0;) {
+      if (blocks[j] != kNullBlock) wm.Release(blocks[j]);
+    }
+  }
+  sequences_.erase(seq.id);
 }
 
 void KVCacheManager::ValidateAdmission(SeqId id, const TokenId* tokens, std::size_t n, const SequenceOptions& options,
@@ -303,21 +334,22 @@ void KVCacheManager::ClaimReused(Sequence& seq, const ReusePlan& plan, const Adm
 }
 
 std::int64_t KVCacheManager::HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a,
-                                           bool src_held) {
+                                           char* src_held) {
   WindowBlockManager& wm = *windows_[w];
   SequenceWindow& sw = seq.windows[w];
   const std::int32_t full = a.full;
   std::int64_t fresh = 0;
   if (a.has_partial && !plan.partial_takeover[w]) {  // first: before any other block of this window is taken
     const BlockId src = plan.partial_src[w];
-    if (!src_held && wm.policy().Peek(CacheLevel::kPrimary) == src) {
+    if (*src_held == 0 && wm.policy().Peek(CacheLevel::kPrimary) == src) {
       Attach(seq, w, full, Handout::kTakeOver, src);  // the free source is the next victim anyway
     } else {
       // A free source that this acquisition's eviction unlinks keeps its bytes until it is
       // handed out, which cannot happen before the copy below.
       AttachFresh(seq, w, full, full + 1);
       wm.CopyTokens(sw.blocks[static_cast<std::size_t>(full)], src, plan.partial_tokens);
-      if (src_held) wm.Release(src);
+      if (*src_held != 0) wm.Release(src);
+      *src_held = 0;
       ++fresh;
     }
   }

@@ -415,10 +415,12 @@ std::vector<SeqId> WindowBlockManager::Releasers(BlockId b) const {
 
 BlockId WindowBlockManager::Onboard(BlockId s, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced) {
   KVC_CHECK(!IsPrimary(s) && state_[s].ref_count > 0, "onboard needs a claimed secondary block");
+  // A disk slot is read before anything changes: a failed read leaves the window as it was.
+  const bool read = IsDisk(s) && tier_ != nullptr && backend_->HasMemory();
+  const std::vector<TierSegment> segments = read ? ReadDisk(s, &disk_buffer_) : std::vector<TierSegment>{};
   const BlockId p = Acquire(priority, expiry_ms, displaced);
   if (IsDisk(s)) {
-    if (tier_ != nullptr && backend_->HasMemory()) {
-      const std::vector<TierSegment> segments = ReadDisk(s, &disk_buffer_);
+    if (read) {
       for (std::size_t i = 0; i < pools_.size(); ++i) {
         const std::size_t bytes = segments[i].bytes;
         backend_->Copy2D(Address(p, i), CacheLevel::kPrimary, bytes, segments[i].data, CacheLevel::kSecondary, bytes,

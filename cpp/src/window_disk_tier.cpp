@@ -14,6 +14,7 @@ void WindowBlockManager::AttachTier(std::int32_t num_disk, std::shared_ptr<Secon
   state_.resize(total);
   more_releasers_.resize(total);
   disk_stamp_.assign(static_cast<std::size_t>(num_disk), 0);
+  disk_hash_.assign(static_cast<std::size_t>(num_disk), 0);
   disk_in_free_.assign(static_cast<std::size_t>(num_disk), false);
   // Handed out lowest id first.
   for (BlockId d = num_blocks() - 1; d >= num_primary_ + num_secondary_; --d) DiskQueue(d);
@@ -23,7 +24,9 @@ TierKey WindowBlockManager::KeyOf(BlockId d) const {
   TierKey key;
   key.window = window_;
   key.slot = d - num_primary_ - num_secondary_;
-  key.hash = state_[d].node != kNoNode ? tree_->Hash(state_[d].node) : 0;
+  // The hash the content was stored under: a claimed slot keeps its bytes even when a drop
+  // unlinked its node meanwhile (the sequence that claimed it still reads them).
+  key.hash = disk_hash_[static_cast<std::size_t>(key.slot)];
   return key;
 }
 
@@ -80,6 +83,7 @@ bool WindowBlockManager::SpillToDisk(BlockId s) {
       return false;
     }
   }
+  disk_hash_[static_cast<std::size_t>(d - num_primary_ - num_secondary_)] = tree_->Hash(n);
   tree_->SetBlock(n, index_, d);
   state_[d].node = n;
   state_[s].node = kNoNode;
@@ -102,8 +106,19 @@ std::vector<TierSegment> WindowBlockManager::ReadDisk(BlockId d, std::vector<uns
     segments.push_back({buffer->data() + offset, pool.BlockBytes()});
     offset += pool.BlockBytes();
   }
-  tier_->Get(KeyOf(d), segments);
+  if (!tier_->Get(KeyOf(d), segments)) {
+    throw DiskReadError(index_, d, detail::Concat("window ", window_, ": disk block ", d,
+                                                  " cannot be read back intact"));
+  }
   return segments;
+}
+
+void WindowBlockManager::DropUnreadable(BlockId d) {
+  KVC_CHECK(IsDisk(d) && state_[d].ref_count == 0,
+            detail::Concat("window ", window_, ": unreadable block ", d, " is not an unreferenced disk slot"));
+  ++disk_read_failures_;
+  // A drop may have unlinked it while it was claimed: then it is a free slot already.
+  if (state_[d].node != kNoNode) Drop(d);
 }
 
 void WindowBlockManager::CheckDiskSlot(BlockId d) const {

@@ -103,6 +103,8 @@ class KvCacheStats:
     ``forked_blocks`` counts the block references that ``fork_sequence`` children took from
     their parents (no block is taken), ``copied_on_write_blocks`` the private copies that a
     first write into a shared block made (summed over windows).
+    ``disk_read_failures`` counts disk-tier blocks dropped because they could not be read back
+    intact (I/O error, short read, failed checksum): each was served as a miss.
     """
 
     max_num_blocks: int
@@ -118,6 +120,7 @@ class KvCacheStats:
     allocated_bytes: int = 0
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
+    disk_read_failures: int = 0
     reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     num_cached_nodes: int = 0

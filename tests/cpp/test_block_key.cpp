@@ -29,11 +29,12 @@ std::vector<std::uint64_t> Hashes(const std::vector<TokenId>& t, std::int32_t tp
   return out;
 }
 
-// Digest of a lone item at `offset` from a block start, built independently of any spanning.
-std::uint64_t LoneItemDigest(std::uint64_t hash, std::int32_t offset) {
+// Digest of a lone item of `length` tokens at `offset` from a block start (it must reach into
+// the block: length > -offset), built independently of any spanning.
+std::uint64_t LoneItemDigest(std::uint64_t hash, std::int32_t offset, std::int32_t length) {
   ReuseExtras e;
   const std::int32_t block_start = offset < 0 ? -offset : 0;
-  e.multimodal.push_back({hash, block_start + offset, block_start + 1});
+  e.multimodal.push_back({hash, block_start + offset, length});
   return BlockExtrasDigest(e, 1, block_start, 4);
 }
 
@@ -170,6 +171,45 @@ TEST(BlockKeyTest, MultimodalHashAndOffsetMatterOrderDoesNot) {
   EXPECT_NE(Hashes(t, 4, a)[0], Hashes(t, 4, c)[0]);
 }
 
+TEST(BlockKeyTest, MultimodalLengthMatters) {
+  // The same content at the same start over 13 positions and over 2: block 0 holds the item's
+  // positions in both, but different KV (the stale reads), so its key differs.
+  ReuseExtras long_item, short_item, same;
+  long_item.multimodal = {{0x5eed, 0, 13}};
+  short_item.multimodal = {{0x5eed, 0, 2}};
+  same.multimodal = {{0x5eed, 0, 13}};
+  EXPECT_NE(BlockExtrasDigest(long_item, 0, 0, 4), BlockExtrasDigest(short_item, 0, 0, 4));
+  EXPECT_EQ(BlockExtrasDigest(long_item, 0, 0, 4), BlockExtrasDigest(same, 0, 0, 4));
+  const std::vector<TokenId> t = Iota(16);
+  const auto h_long = Hashes(t, 4, long_item);
+  const auto h_short = Hashes(t, 4, short_item);
+  for (std::size_t i = 0; i < h_long.size(); ++i) EXPECT_NE(h_long[i], h_short[i]) << i;
+  EXPECT_EQ(Hashes(t, 4, same), h_long);
+  // Every length from 1 to 12 of an item starting 2 tokens into a block gives its own digest.
+  std::set<std::uint64_t> distinct;
+  for (std::int32_t length = 1; length <= 12; ++length) distinct.insert(LoneItemDigest(7, 2, length));
+  EXPECT_EQ(distinct.size(), 12u);
+}
+
+TEST(BlockKeyTest, HashBytesIsDeterministicSeededAndSeesEveryByte) {
+  std::vector<unsigned char> bytes(203);
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 31 + 7);
+  const std::uint64_t h = HashBytes(1, bytes.data(), bytes.size());
+  EXPECT_EQ(HashBytes(1, bytes.data(), bytes.size()), h);
+  EXPECT_NE(HashBytes(2, bytes.data(), bytes.size()), h);
+  // Flipping one bit anywhere (the 64-byte lanes, the 16-byte groups, the tail) changes it,
+  // and so does the length alone (zero padding is not zero bytes).
+  std::set<std::uint64_t> seen{h};
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    bytes[i] ^= 0x10;
+    seen.insert(HashBytes(1, bytes.data(), bytes.size()));
+    bytes[i] ^= 0x10;
+  }
+  EXPECT_EQ(seen.size(), bytes.size() + 1);
+  std::vector<unsigned char> zeros(32, 0);
+  EXPECT_NE(HashBytes(1, zeros.data(), 31), HashBytes(1, zeros.data(), 32));
+}
+
 TEST(BlockKeyTest, ItemSpanningTwoBlocksAppearsInBothWithRelativeOffsets) {
   ReuseExtras e;
   e.multimodal = {{99, 6, 4}};  // tokens [6, 10); blocks of 4: [4, 8) and [8, 12)
@@ -178,12 +218,12 @@ TEST(BlockKeyTest, ItemSpanningTwoBlocksAppearsInBothWithRelativeOffsets) {
   EXPECT_TRUE(HasMultimodal(e, 8, 4));
   EXPECT_FALSE(HasMultimodal(e, 12, 4));
   EXPECT_EQ(BlockExtrasDigest(e, 0, 0, 4), 0u);
-  EXPECT_EQ(BlockExtrasDigest(e, 1, 4, 4), LoneItemDigest(99, 2));
-  EXPECT_EQ(BlockExtrasDigest(e, 2, 8, 4), LoneItemDigest(99, -2));
+  EXPECT_EQ(BlockExtrasDigest(e, 1, 4, 4), LoneItemDigest(99, 2, 4));
+  EXPECT_EQ(BlockExtrasDigest(e, 2, 8, 4), LoneItemDigest(99, -2, 4));
   std::set<std::uint64_t> distinct;  // every (hash, offset) pair gives its own digest
   for (std::uint64_t hash = 1; hash <= 8; ++hash) {
     for (std::int32_t offset = -8; offset <= 3; ++offset) {  // blocks are 4 tokens long
-      distinct.insert(LoneItemDigest(hash, offset));
+      distinct.insert(LoneItemDigest(hash, offset, 9));
     }
   }
   EXPECT_EQ(distinct.size(), 8u * 12u);
@@ -194,7 +234,7 @@ TEST(BlockKeyTest, ItemSpanningTwoBlocksAppearsInBothWithRelativeOffsets) {
   EXPECT_FALSE(HasMultimodal(exact, 0, 4));
   EXPECT_TRUE(HasMultimodal(exact, 4, 4));
   EXPECT_FALSE(HasMultimodal(exact, 8, 4));
-  EXPECT_EQ(BlockExtrasDigest(exact, 1, 4, 4), LoneItemDigest(99, 0));
+  EXPECT_EQ(BlockExtrasDigest(exact, 1, 4, 4), LoneItemDigest(99, 0, 4));
 }
 
 TEST(BlockKeyTest, ChainHashesEqualsManualChainingWithPartialLastBlock) {

@@ -1,11 +1,17 @@
-// Seeded randomized operations with reuse on, priorities, a secondary pool (and, in two of
+// Seeded randomized operations with reuse on, priorities, a secondary pool (and, in three of
 // the variants, a disk tier below it) and both sliding window reuse policies, over windows
 // {8, 16, full}. After every operation the invariants hold;
 // a failing call changes nothing; and on the host backend every reused token position holds
 // exactly the KV written for that token prefix (K and V are tagged with a hash of the prefix).
+// In the disk_faults variant the tier's files are corrupted and truncated under the manager
+// between operations: a block that does not read back intact must be a miss, never wrong KV.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <set>
@@ -39,7 +45,34 @@ std::uint32_t Mix(std::uint32_t h, std::uint32_t v) {
 struct Variant {
   SwaReusePolicy policy;
   std::int32_t disk_blocks;  ///< Disk-tier blocks per window (0: no disk tier).
+  bool disk_faults = false;  ///< Corrupt and truncate the tier's files between operations.
+  int ops = 10000;
 };
+
+/// XORs a random byte of a random window file of the tier in `dir` (one time in four, truncates
+/// the file to a random length instead; later spills extend it again, with a hole).
+void InjectDiskFault(const std::string& dir, std::mt19937* rng) {
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() == ".kvblocks") files.push_back(e.path());
+  }
+  if (files.empty()) return;
+  std::sort(files.begin(), files.end());  // the names hold a random id: directory order varies
+  const std::filesystem::path& f = files[(*rng)() % files.size()];
+  const auto size = static_cast<std::uintmax_t>(std::filesystem::file_size(f));
+  if (size == 0) return;
+  const std::uintmax_t at = (*rng)() % size;
+  if ((*rng)() % 4 == 0) {
+    std::filesystem::resize_file(f, at);
+    return;
+  }
+  std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  io.get(c);
+  io.seekp(static_cast<std::streamoff>(at));
+  io.put(static_cast<char>(c ^ 0xff));
+}
 
 class ReuseRandomizedTest : public ::testing::TestWithParam<Variant> {
  protected:
@@ -70,12 +103,26 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
   }
   c.max_draft_tokens = 2;
   c.event_buffer_max_size = 1 << 20;  // never drops: the stream must mirror the tree exactly
+  const Variant& param = GetParam();
+  // The faults variant's tier directory: removed after the manager (declared before it).
+  struct TempDir {
+    std::string path;
+    ~TempDir() {
+      if (!path.empty()) std::filesystem::remove_all(path);
+    }
+  } fault_dir;
+  if (param.disk_faults) {
+    std::string pattern = (std::filesystem::temp_directory_path() / "kvcache-disk-faults-XXXXXX").string();
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    fault_dir.path = pattern;
+    c.disk_cache_dir = pattern;
+  }
   ModelSpec model = testing::Model(3, {1}, 1);
   model.dtype = DType::kFloat32;
   KVCacheManager m(model, c);
   m.SetFakeTimeMs(0);
   std::mt19937 rng((GetParam().policy == SwaReusePolicy::kInvalidate ? 7u : 8u) +
-                   (GetParam().disk_blocks > 0 ? 10u : 0u));
+                   (GetParam().disk_blocks > 0 ? 10u : 0u) + (param.disk_faults ? 20u : 0u));
   std::vector<std::vector<TokenId>> bases(4);
   for (auto& base : bases) {
     for (int i = 0; i < 40; ++i) base.push_back(static_cast<TokenId>(rng() % 6));
@@ -88,6 +135,7 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
   SeqId next_id = 0;
   std::int64_t now = 0;
   int failures = 0;
+  int failed_after_read_failure = 0;
   int hits = 0;
   int reused_tokens_checked = 0;
   auto pick = [&]() {
@@ -102,8 +150,10 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     const KvCacheStats st = m.GetStats();
     return std::make_tuple(s, st.num_cached_nodes, st.reused_blocks, st.offloaded_blocks);
   };
-  for (int op = 0; op < 10000; ++op) {
+  for (int op = 0; op < param.ops; ++op) {
+    if (param.disk_faults && rng() % 8 == 0) InjectDiskFault(fault_dir.path, &rng);
     const auto before = snapshot();
+    const std::int64_t read_failures_before = m.GetStats().disk_read_failures;
     const int kind = std::uniform_int_distribution<int>(0, 11)(rng);
     bool threw = false;
     try {
@@ -182,7 +232,15 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     } catch (const std::invalid_argument&) {
       threw = true;  // a rewind into released blocks
     }
-    if (threw) {
+    if (threw && m.GetStats().disk_read_failures != read_failures_before) {
+      // An admission that found an unreadable block, then lacked blocks for the shorter hit:
+      // the block stays dropped and what the undone round moved stays moved (the cache is
+      // still true), but no request changed and the new one is not registered.
+      ++failures;
+      ++failed_after_read_failure;
+      ASSERT_TRUE(std::get<0>(snapshot()) == std::get<0>(before)) << "failed op " << op << " changed requests";
+      ASSERT_FALSE(m.HasSequence(next_id - 1)) << "op " << op;
+    } else if (threw) {
       ++failures;
       ASSERT_TRUE(snapshot() == before) << "failed op " << op << " changed state";
     }
@@ -220,8 +278,8 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     for (const auto& [id, s] : live) ASSERT_EQ(m.NumTokens(id), static_cast<std::int32_t>(s.tokens.size()));
   }
   EXPECT_GT(failures, 0);
-  EXPECT_GT(hits, 500);
-  EXPECT_GT(reused_tokens_checked, 10000);
+  EXPECT_GT(hits, param.ops / 20);
+  EXPECT_GT(reused_tokens_checked, param.ops);
   EXPECT_GT(m.GetStats().offloaded_blocks, 0);
   EXPECT_GT(m.GetStats().onboarded_blocks, 0);
   if (GetParam().disk_blocks > 0) {
@@ -229,6 +287,16 @@ TEST_P(ReuseRandomizedTest, InvariantsAndBytesHoldAfterEveryOperation) {
     EXPECT_GT(disk_onboards, 0);  // and every reused position above held its exact bytes
   } else {
     EXPECT_EQ(spills, 0);
+  }
+  // Faults are caught on read (never served); without faults, no read ever fails.
+  RecordProperty("disk_read_failures", static_cast<int>(m.GetStats().disk_read_failures));
+  RecordProperty("disk_onboards", static_cast<int>(disk_onboards));
+  RecordProperty("reused_tokens_checked", reused_tokens_checked);
+  RecordProperty("failed_after_read_failure", failed_after_read_failure);
+  if (param.disk_faults) {
+    EXPECT_GT(m.GetStats().disk_read_failures, 10);
+  } else {
+    EXPECT_EQ(m.GetStats().disk_read_failures, 0);
   }
   for (const auto& kv : live) m.RemoveSequence(kv.first);
   for (const auto& [w, counts] : c.blocks_per_window) EXPECT_EQ(m.GetNumFreeBlocks(w), counts.primary);
@@ -239,11 +307,13 @@ INSTANTIATE_TEST_SUITE_P(Policies, ReuseRandomizedTest,
                          ::testing::Values(Variant{SwaReusePolicy::kInvalidate, 0},
                                            Variant{SwaReusePolicy::kPlaceholder, 0},
                                            Variant{SwaReusePolicy::kInvalidate, 12},
-                                           Variant{SwaReusePolicy::kPlaceholder, 12}),
+                                           Variant{SwaReusePolicy::kPlaceholder, 12},
+                                           Variant{SwaReusePolicy::kInvalidate, 12, /*disk_faults=*/true, 4000}),
                          [](const ::testing::TestParamInfo<Variant>& param) {
                            return std::string(param.param.policy == SwaReusePolicy::kInvalidate ? "invalidate"
                                                                                                 : "placeholder") +
-                                  (param.param.disk_blocks > 0 ? "_disk" : "");
+                                  (param.param.disk_blocks > 0 ? "_disk" : "") +
+                                  (param.param.disk_faults ? "_faults" : "");
                          });
 
 }  // namespace

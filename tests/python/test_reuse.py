@@ -79,6 +79,8 @@ def test_reuse_disabled_by_config() -> None:
         ({"multimodal": [(b"\x01" * 32, 1, 2)]}, {"multimodal": [(b"\x02" * 32, 1, 2)]}, False),
         ({"multimodal": [(2**200 + 5, 1, 2)]}, {"multimodal": [(2**200 + 5, 1, 2)]}, True),
         ({"multimodal": [(7, 1, 2)]}, {"multimodal": [(7, 2, 2)]}, False),
+        ({"multimodal": [(7, 0, 13)]}, {"multimodal": [(7, 0, 13)]}, True),
+        ({"multimodal": [(7, 0, 13)]}, {"multimodal": [(7, 0, 2)]}, False),  # only the length
     ],
 )
 def test_extra_keys(stored: dict[str, object], query: dict[str, object], hit: bool) -> None:
@@ -86,6 +88,24 @@ def test_extra_keys(stored: dict[str, object], query: dict[str, object], hit: bo
     m.add_sequence(1, list(range(9)), **stored)  # type: ignore[arg-type]
     m.remove_sequence(1)
     assert m.get_reusable_prefix_length(list(range(9)), **query) == (8 if hit else 0)  # type: ignore[arg-type]
+
+
+def test_the_same_image_over_fewer_positions_reuses_nothing() -> None:
+    # Image h at positions 0-12, then the same h at 0-1 with text after it: block 0 of the
+    # second prompt holds text KV at positions 2-3, so it must not be the first prompt's block.
+    m = make()
+    image = b"\x07" * 32
+    tokens = list(range(13))
+    m.add_sequence(1, tokens, multimodal=[(image, 0, 13)])
+    first = m.get_cache_block_ids(1, 64)
+    m.remove_sequence(1)
+    assert m.add_sequence(2, tokens, multimodal=[(image, 0, 2)]) == 0
+    assert m.get_cache_block_ids(2, 64)[0] not in first
+    m.remove_sequence(2)
+    # Everything equal: the first prompt's blocks are reused as before.
+    assert m.add_sequence(3, tokens, multimodal=[(image, 0, 13)]) == 12
+    assert m.get_cache_block_ids(3, 64)[:3] == first[:3]
+    m.check_invariants()
 
 
 def test_bad_reuse_arguments_raise_value_error() -> None:

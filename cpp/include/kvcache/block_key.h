@@ -35,11 +35,17 @@ struct ReuseExtras {
 /// hashes.
 std::uint64_t HashTokens(std::uint64_t seed, const TokenId* tokens, std::size_t n) noexcept;
 
+/// Fast 64-bit checksum of `n` bytes, seeded (the disk tier's per-block check). Unlike the
+/// token hashes it reads the bytes in the machine's byte order: for checksums written and
+/// verified by the same machine. Not cryptographic: it catches corruption, not attackers.
+std::uint64_t HashBytes(std::uint64_t seed, const void* data, std::size_t n) noexcept;
+
 /// Digest of the extra keys of the block that covers tokens [start, start + n) and sits at chain
 /// position `block_index`: the LoRA id (every block), the cache salt (block_index == 0 only: the
 /// chain propagates it) and every multimodal item overlapping [start, start + n) as
-/// (hash, item.start - start) (the offset to the block start, negative for an item that began in
-/// an earlier block), independent of item order. Returns 0 exactly when there are none.
+/// (hash, item.start - start, item.length) (the offset to the block start, negative for an
+/// item that began in an earlier block; the length, so the same content over fewer positions
+/// is another key), independent of item order. Returns 0 exactly when there are none.
 /// Throws std::invalid_argument if `n` < 0 or an item has a negative start or length.
 std::uint64_t BlockExtrasDigest(const ReuseExtras& extras, std::int32_t block_index,
                                 std::int32_t start, std::int32_t n);

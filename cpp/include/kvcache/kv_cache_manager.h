@@ -111,6 +111,8 @@ struct KvCacheStats {
   std::int64_t allocated_bytes = 0;  ///< Pool bytes actually allocated (0 for virtual).
   std::int64_t offloaded_blocks = 0;
   std::int64_t onboarded_blocks = 0;
+  /// Disk-tier blocks dropped because they could not be read back intact (each a miss).
+  std::int64_t disk_read_failures = 0;
   std::map<WindowSize, std::int64_t> reused_blocks_per_window_size;
   std::map<WindowSize, std::int64_t> missed_blocks_per_window_size;
   std::int64_t num_cached_nodes = 0;  ///< Nodes of the reuse tree (root excluded).
@@ -586,8 +588,17 @@ class KVCacheManager {
   void ClaimReused(Sequence& seq, const ReusePlan& plan, const Admission& a, std::vector<char>* src_held);
   /// Window `w`'s blocks of a new sequence past the claimed ones: the copy of a partly reused
   /// block (unless taken over), onboards of reused blocks in a lower tier, fresh blocks for the
-  /// rest of the first chunk. Returns the blocks taken from the free queues.
-  std::int64_t HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a, bool src_held);
+  /// rest of the first chunk. Returns the blocks taken from the free queues. Releases a held
+  /// partial source once copied and clears *src_held. Throws DiskReadError from a disk read.
+  std::int64_t HandOutPrompt(Sequence& seq, std::size_t w, const ReusePlan& plan, const Admission& a, char* src_held);
+  /// One admission round of registered `seq` after its checks: claims, slab moves, hand-outs,
+  /// counters, then waits for the copies. Throws DiskReadError (the round is then undone by
+  /// UndoAdmission).
+  void Admit(Sequence& seq, const ReusePlan& plan, const Admission& a, std::vector<char>* src_held);
+  /// Undoes a round Admit left by DiskReadError: releases every block `seq` holds and the
+  /// partial sources still held, and unregisters `seq`. What the round moved stays moved
+  /// (onboarded blocks are cached primary blocks now; evictions and slab moves stand).
+  void UndoAdmission(Sequence& seq, const ReusePlan& plan, const std::vector<char>& src_held);
   /// The reuse and allocation counters of window `w` (and of `seq`) after an admission that took
   /// `fresh` free blocks there.
   void CountAdmission(Sequence& seq, std::size_t w, const Admission& a, std::int64_t fresh);
@@ -733,6 +744,7 @@ class KVCacheManager {
   // Per window, the blocks check of AddSequence, Prefill and AddTokens (kept: no allocation
   // per call): blocks needed, blocks it can hand out, and (AddTokens) whether releases count.
   std::vector<std::int64_t> check_need_;  // (AddTokens, Prefill: filled before ShortWindowForBatch)
+  std::vector<std::int64_t> admit_fresh_;  // Admit: per window, the free blocks each took
   std::vector<std::int64_t> check_available_;
   std::vector<char> batch_counted_;
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach

@@ -29,9 +29,10 @@ struct TierSegment {
 
 /// A block store below host memory. Calls come from one thread at a time (under the manager's
 /// lock). Put may refuse (returns false: the block is then dropped, never an error for the
-/// caller); content a Put accepted must be returned by Get until the slot is Put again or
-/// Erased. Get failing after an accepted Put is an environment fault (disk gone): it throws
-/// KVCacheError.
+/// caller). Get returns the content a Put accepted for the key, or false when it cannot return
+/// exactly that content (I/O error, short read, missing or overwritten data, a failed check):
+/// the manager then drops the block and the reuse hit stops there (a miss, never an error).
+/// A tier must never fill `segments` with other content and return true.
 class SecondaryTier {
  public:
   virtual ~SecondaryTier() = default;
@@ -39,18 +40,28 @@ class SecondaryTier {
   virtual const char* Medium() const = 0;
   /// Stores the concatenation of `segments` as the content of `key`.
   virtual bool Put(const TierKey& key, const std::vector<TierSegment>& segments) = 0;
-  /// Reads the content of `key` into `segments` (same sizes as its Put).
-  virtual void Get(const TierKey& key, const std::vector<TierSegment>& segments) = 0;
+  /// Reads the content of `key` into `segments` (same sizes as its Put); false when it cannot
+  /// (the segments' bytes are then unspecified). Never throws for a failed read.
+  virtual bool Get(const TierKey& key, const std::vector<TierSegment>& segments) = 0;
   /// The slot no longer holds content (the tier may release its space).
   virtual void Erase(const TierKey& key) = 0;
 };
 
-/// A directory of files, one per window (`kvcache-<pid>-<n>-window-<W>.kvblocks`), a block at offset
-/// `slot * block_bytes`; at most `slots * block_bytes` bytes per window, so the tier is bounded
-/// by the slot counts the manager sizes from `disk_cache_size`. An empty `directory` makes a
-/// private temporary directory (under $TMPDIR, else /tmp). The files it created (and the
-/// temporary directory) are removed when the last window releases the tier. Throws
-/// KVCacheError when the directory cannot be created or written.
+/// A directory of files named by a random 64-bit instance id (16 hex digits), so two managers
+/// never share a file, whatever their PIDs: `kvcache-<id>.lock`, created at once, and one
+/// `kvcache-<id>-window-<W>.kvblocks` per window, created on its first write. Each is created
+/// with O_EXCL (an id already taken is drawn again) and holds an exclusive flock while the tier
+/// lives. A block is a slot of `kDiskSlotHeader + block_bytes` bytes at `slot * that`: a header
+/// (magic, chained key hash, byte count, HashBytes checksum of the bytes), then the bytes; Get
+/// verifies all four. At most `slots * (header + block_bytes)` bytes per window, so the tier is
+/// bounded by the slot counts the manager sizes from `disk_cache_size`. An empty `directory`
+/// makes a private temporary directory (under $TMPDIR, else /tmp). The files it created (and
+/// the temporary directory) are removed when the last window releases the tier. Throws
+/// KVCacheError, with the system's reason, when the directory cannot be created or a file
+/// cannot be created in it.
 std::shared_ptr<SecondaryTier> MakeDiskTier(const std::string& directory);
+
+/// Bytes of the disk tier's per-slot header.
+inline constexpr std::size_t kDiskSlotHeader = 32;
 
 }  // namespace kvcache

@@ -6,9 +6,11 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "kvcache/errors.h"
 #include "kvcache/eviction_policy.h"
 #include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
@@ -67,6 +69,22 @@ struct WindowReuseOptions {
   double protected_fraction = EvictionPolicy::kDefaultProtectedFraction;
 };
 
+/// A disk slot's content could not be read back intact (I/O error, short read, missing or
+/// overwritten data, a failed checksum). Thrown by the onboard and copy paths before anything
+/// changed; the manager undoes the admission in progress, drops the slot (DropUnreadable) and
+/// plans again, so the prefix hit stops before that block. Never reaches a caller.
+class DiskReadError : public KVCacheError {
+ public:
+  DiskReadError(std::int32_t window_index, BlockId block, const std::string& what)
+      : KVCacheError(what), window_index_(window_index), block_(block) {}
+  std::int32_t window_index() const noexcept { return window_index_; }
+  BlockId block() const noexcept { return block_; }
+
+ private:
+  std::int32_t window_index_;
+  BlockId block_;
+};
+
 /// Owns the pools of one window and the state of each block: reference count and generation
 /// (bumped at every Grant, i.e. whenever the block may be written again), the live
 /// sequences that released it out of window, retention priority, and the link to the
@@ -97,6 +115,8 @@ class WindowBlockManager {
   std::size_t allocated_bytes() const { return allocated_bytes_; }
   std::int64_t offloaded_blocks() const { return offloaded_; }
   std::int64_t onboarded_blocks() const { return onboarded_; }
+  /// Disk slots dropped because their content could not be read back intact.
+  std::int64_t disk_read_failures() const { return disk_read_failures_; }
 
   /// Gives this window `num_disk` slots in `tier` below its secondary pool (call once, before
   /// any other call). Disk slots are block ids [num_primary + num_secondary, num_blocks()): a
@@ -200,10 +220,17 @@ class WindowBlockManager {
   /// Live sequences that released `b` out of window since its last Grant (checks and tests).
   std::vector<SeqId> Releasers(BlockId b) const;
   /// Moves the content of claimed secondary or disk block `s` into a Grant-ed primary block and
-  /// relinks the tree node to it; releases `s`. Returns the primary block.
+  /// relinks the tree node to it; releases `s`. Returns the primary block. A disk slot is read
+  /// first: if the tier cannot return its content intact, throws DiskReadError with nothing
+  /// changed.
   BlockId Onboard(BlockId s, int priority, std::int64_t expiry_ms, std::vector<SeqId>* displaced);
   /// Copies the first `num_tokens` tokens of every layer, K/V and head of `src` into `dst`.
+  /// Throws DiskReadError, with `dst` untouched, when disk slot `src` cannot be read intact.
   void CopyTokens(BlockId dst, BlockId src, std::int32_t num_tokens);
+  /// Drops unreferenced disk slot `d`, whose content could not be read back (DiskReadError),
+  /// like Drop (with what cascades below it; nothing if a drop unlinked it meanwhile), and
+  /// counts it in disk_read_failures().
+  void DropUnreadable(BlockId d);
 
   /// Links unlinked block `b` to tree node `node` (whose slot for this window is empty).
   void Link(BlockId b, NodeId node);
@@ -255,6 +282,7 @@ class WindowBlockManager {
   void DiskQueue(BlockId d);    ///< Unreferenced disk slot: LRU if it caches content, else free.
   void DiskUnqueue(BlockId d);  ///< Out of the LRU or the free list (being claimed).
   /// Reads disk slot `d` into `buffer` (resized once); returns one segment per pool, into it.
+  /// Throws DiskReadError when the tier cannot return the slot's content intact.
   std::vector<TierSegment> ReadDisk(BlockId d, std::vector<unsigned char>* buffer);
   TierKey KeyOf(BlockId d) const;
   void CheckDiskSlot(BlockId d) const;
@@ -311,6 +339,7 @@ class WindowBlockManager {
   std::vector<BlockId> timed_;  // blocks with an expiry
   std::int64_t offloaded_ = 0;
   std::int64_t onboarded_ = 0;
+  std::int64_t disk_read_failures_ = 0;
   EvictionPolicy policy_;
   // Disk slots: an unreferenced slot sits in the LRU set (ordered by the stamp of its last
   // queueing) when it caches content, in the free list otherwise.
@@ -318,6 +347,7 @@ class WindowBlockManager {
   std::shared_ptr<SecondaryTier> tier_;
   std::uint64_t disk_clock_ = 0;
   std::vector<std::uint64_t> disk_stamp_;  // per disk slot: LRU stamp, 0 when not in the LRU
+  std::vector<std::uint64_t> disk_hash_;   // per disk slot: key hash of the content last stored
   std::set<std::pair<std::uint64_t, BlockId>> disk_lru_;
   std::vector<BlockId> disk_free_;
   std::vector<bool> disk_in_free_;
