@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 __all__ = ["Request", "RequestState", "ScheduledBatch"]
 
 
+def _check_type(name: str, value: object, cls: type) -> None:
+    """TypeError naming the argument and the expected class, before any attribute is read."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a kvcache.{cls.__name__}, got {type(value).__name__}")
+
+
 class RequestState(enum.Enum):
     """Where a request is in its life."""
 

@@ -76,7 +76,7 @@ from kvcache._core import OutOfBlocksError, PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.estimates import ResourceEstimates, peak_live_blocks
 from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState, ScheduledBatch
+from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
 
 __all__ = [
     "KVCacheResourceManager",
@@ -92,12 +92,6 @@ class EventPublisher(Protocol):
 
     def publish(self) -> object:
         """Publishes the events of the step that just ended."""
-
-
-def _check_type(name: str, value: object, cls: type) -> None:
-    """TypeError naming the argument and the expected class, before any attribute is read."""
-    if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a kvcache.{cls.__name__}, got {type(value).__name__}")
 
 
 def _as_dict(blocks: Mapping[int, int]) -> Any:

@@ -1088,3 +1088,32 @@ def test_engine_generate_rejects_bad_prompts_before_running(
     assert engine.manager.num_sequences == 0
     engine.manager.check_invariants()
     assert engine.generate([[1, 2, 3]], 2) and engine.manager.num_sequences == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [
+        ("num_draft_tokens_for", (7,)),
+        ("get_num_allocated_blocks", (7, 8)),
+        ("get_reusable_prefix_length", (7,)),
+        ("get_needed_blocks_one_step", (7, 8)),
+        ("get_needed_blocks_per_window", (7,)),
+        ("get_remaining_blocks_to_completion", (7, 8)),
+        ("get_remaining_blocks_per_window", (7,)),
+        ("get_blocks_to_run_alone", (7,)),
+        ("get_remaining_blocks_for", ([7],)),
+        ("get_needed_blocks_for_step", ([7],)),
+        ("fork_resources", (7, [])),
+    ],
+)
+def test_estimates_name_a_wrong_request_type(method: str, args: tuple[object, ...]) -> None:
+    """Every resource-manager method that takes requests refuses another type up front."""
+    m = make()
+    m.add_sequence(3, [9, 9, 9, 9, 9, 9])
+    rm = KVCacheResourceManager(m)
+    before = _state(m)
+    name = "batch" if method == "get_needed_blocks_for_step" else "(request|parent)"
+    got = "list" if method == "get_needed_blocks_for_step" else "int"
+    with pytest.raises(TypeError, match=rf"{name} must be a kvcache\.\w+, got {got}"):
+        getattr(rm, method)(*args)
+    assert _state(m) == before
