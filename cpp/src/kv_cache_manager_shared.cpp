@@ -3,6 +3,7 @@
 // fills fresh primary blocks with them (FillShared); StoreChain queues newly stored blocks for
 // the store (WriteShared). A lookup that fails is a miss; nothing here throws for the store.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -12,6 +13,14 @@
 #include "kvcache/kv_cache_manager.h"
 
 namespace kvcache {
+namespace {
+
+std::int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
 
 void KVCacheManager::MakeSharedTier(const ManagerConfig& config, const std::vector<std::vector<PoolLayout>>& pools) {
   if (config.shared_cache_url.empty()) {
@@ -31,8 +40,8 @@ void KVCacheManager::MakeSharedTier(const ManagerConfig& config, const std::vect
   }
   for (const WindowSize window : window_sizes_) shared_label_.push_back(window < max_seq_len_ ? window : 0);
   std::string ns = config.shared_cache_namespace.empty() ? SharedFingerprint(pools) : config.shared_cache_namespace;
-  shared_ = std::make_unique<SharedTier>(address, std::move(ns), config.shared_cache_timeout_ms,
-                                         config.shared_cache_queue_bytes);
+  shared_timeout_ms_ = config.shared_cache_timeout_ms;
+  shared_ = std::make_unique<SharedTier>(address, std::move(ns), config.shared_cache_queue_bytes);
 }
 
 std::string KVCacheManager::SharedFingerprint(const std::vector<std::vector<PoolLayout>>& pools) const {
@@ -108,44 +117,57 @@ void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const Reu
   const std::int32_t base = f.base;
   const std::int32_t end = (static_cast<std::int32_t>(n) - 1) / tpb_;  // the last token is never a key
   if (end <= base) return;
+  const std::int64_t deadline = SteadyMs() + shared_timeout_ms_;
   const std::vector<std::uint64_t> hashes = PromptHashes(tokens, extras, prepared, end);
   const auto span = static_cast<std::size_t>(end - base);
   // Round 1: which blocks the store has, in every window.
   std::vector<std::string> keys;
   for (std::size_t w = 0; w < nw; ++w) {
-    for (std::int32_t d = base; d < end; ++d) keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
+    f.values[w].assign(span, std::string());
+    for (std::int32_t d = base; d < end; ++d) {
+      keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
+    }
   }
   std::vector<char> found;
-  if (!shared_->Exists(keys, &found)) return;
+  if (!shared_->Exists(keys, &found, deadline)) return;
   std::vector<std::vector<char>> avail(nw);
-  for (std::size_t w = 0; w < nw; ++w) avail[w].assign(found.begin() + static_cast<std::ptrdiff_t>(w * span), found.begin() + static_cast<std::ptrdiff_t>((w + 1) * span));
-  std::int32_t h = SharedServed(avail, base, end);
-  if (h == base) return;
-  // Round 2: the bytes of what prefix h needs; a block that is gone or does not verify ends the
-  // prefix before it.
-  keys.clear();
-  std::vector<std::pair<std::size_t, std::int32_t>> where;
   for (std::size_t w = 0; w < nw; ++w) {
-    std::fill(avail[w].begin(), avail[w].end(), 0);
-    f.values[w].assign(span, std::string());
-    for (std::int32_t d = std::max(base, FrontAt(w, h)); d < h; ++d) {
-      keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
-      where.emplace_back(w, d);
-    }
+    const auto first = found.begin() + static_cast<std::ptrdiff_t>(w * span);
+    avail[w].assign(first, first + static_cast<std::ptrdiff_t>(span));
   }
+  // Then the bytes of what the longest served prefix needs. A block that is gone or does not
+  // verify is unavailable: the prefix shrinks before it, and what the shorter prefix needs
+  // besides (a sliding window's earlier blocks) is fetched next, until nothing is missing.
+  std::int32_t h = SharedServed(avail, base, end);
+  std::vector<std::pair<std::size_t, std::int32_t>> where;
   std::vector<std::string> values;
-  if (!shared_->Fetch(keys, &values)) return;
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    const auto [w, d] = where[i];
-    const auto j = static_cast<std::size_t>(d - base);
-    if (DecodeSharedBlock(values[i], hashes[static_cast<std::size_t>(d)], windows_[w]->BlockBytes()) != nullptr) {
-      avail[w][j] = 1;
-      f.values[w][j] = std::move(values[i]);
-    } else if (!values[i].empty()) {
-      shared_->CountError();  // present but not this block's intact bytes
+  while (h > base) {
+    keys.clear();
+    where.clear();
+    for (std::size_t w = 0; w < nw; ++w) {
+      for (std::int32_t d = std::max(base, FrontAt(w, h)); d < h; ++d) {
+        if (!f.values[w][static_cast<std::size_t>(d - base)].empty()) continue;
+        keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
+        where.emplace_back(w, d);
+      }
     }
+    if (keys.empty()) break;
+    if (!shared_->Fetch(keys, &values, deadline)) {
+      h = base;
+      break;
+    }
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const auto [w, d] = where[i];
+      const auto j = static_cast<std::size_t>(d - base);
+      if (DecodeSharedBlock(values[i], hashes[static_cast<std::size_t>(d)], windows_[w]->BlockBytes()) != nullptr) {
+        f.values[w][j] = std::move(values[i]);
+      } else {
+        avail[w][j] = 0;
+        if (!values[i].empty()) shared_->CountError();  // present but not this block's intact bytes
+      }
+    }
+    h = SharedServed(avail, base, h);
   }
-  h = SharedServed(avail, base, h);
   f.blocks = h - base;
 }
 

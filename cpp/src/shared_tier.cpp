@@ -28,10 +28,7 @@ constexpr int kMaxBackoffMs = 2000;
 constexpr int kWriteTimeoutMs = 2000;  // a write batch is behind the calls: a longer bound
 constexpr std::size_t kReadChunk = 1 << 16;
 
-std::int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+std::int64_t NowMs() { return RespConnection::NowMs(); }
 
 int Remaining(std::int64_t deadline_ms) { return static_cast<int>(std::max<std::int64_t>(0, deadline_ms - NowMs())); }
 
@@ -89,6 +86,11 @@ std::uint64_t Checksum(std::uint64_t hash, const unsigned char* data, std::size_
 
 }  // namespace
 
+std::int64_t RespConnection::NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 RedisAddress ParseRedisUrl(const std::string& url) {
   const std::string scheme = "redis://";
   if (url.compare(0, scheme.size(), scheme) != 0) {
@@ -133,8 +135,7 @@ void RespConnection::Append(std::string* wire, const std::vector<std::pair<const
 }
 
 bool RespConnection::Call(const std::string& wire, std::size_t count, std::vector<RespReply>* replies,
-                          int timeout_ms) {
-  const std::int64_t deadline = NowMs() + timeout_ms;
+                          std::int64_t deadline) {
   replies->clear();
   if (fd_ < 0 && !Connect(deadline)) return false;
   if (!Send(wire, deadline) || !Receive(count, replies, deadline)) return Fail();
@@ -224,9 +225,8 @@ void RespConnection::Close() {
   in_.clear();
 }
 
-SharedTier::SharedTier(RedisAddress address, std::string ns, int timeout_ms, std::size_t queue_bytes)
+SharedTier::SharedTier(RedisAddress address, std::string ns, std::size_t queue_bytes)
     : ns_(std::move(ns)),
-      timeout_ms_(timeout_ms),
       queue_bytes_(queue_bytes),
       lookup_(address),
       writer_conn_(address),
@@ -247,13 +247,13 @@ std::string SharedTier::Key(std::int32_t label, std::uint64_t hash) const {
   return detail::Concat(ns_, ":w", label, ":", text);
 }
 
-bool SharedTier::Exists(const std::vector<std::string>& keys, std::vector<char>* found) {
+bool SharedTier::Exists(const std::vector<std::string>& keys, std::vector<char>* found, std::int64_t deadline_ms) {
   found->assign(keys.size(), 0);
   if (keys.empty()) return true;
   std::string wire;
   for (const std::string& k : keys) RespConnection::Append(&wire, {{"EXISTS", 6}, {k.data(), k.size()}});
   std::vector<RespReply> replies;
-  if (!lookup_.Call(wire, keys.size(), &replies, timeout_ms_)) {
+  if (!lookup_.Call(wire, keys.size(), &replies, deadline_ms)) {
     CountError();
     return false;
   }
@@ -261,13 +261,14 @@ bool SharedTier::Exists(const std::vector<std::string>& keys, std::vector<char>*
   return true;
 }
 
-bool SharedTier::Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values) {
+bool SharedTier::Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values,
+                       std::int64_t deadline_ms) {
   values->assign(keys.size(), std::string());
   if (keys.empty()) return true;
   std::string wire;
   for (const std::string& k : keys) RespConnection::Append(&wire, {{"GET", 3}, {k.data(), k.size()}});
   std::vector<RespReply> replies;
-  if (!lookup_.Call(wire, keys.size(), &replies, timeout_ms_)) {
+  if (!lookup_.Call(wire, keys.size(), &replies, deadline_ms)) {
     CountError();
     return false;
   }
@@ -325,7 +326,7 @@ void SharedTier::WriterLoop() {
       bytes += key.size() + value.size();
     }
     std::vector<RespReply> replies;
-    if (writer_conn_.Call(wire, batch.size(), &replies, std::max(timeout_ms_, kWriteTimeoutMs))) {
+    if (writer_conn_.Call(wire, batch.size(), &replies, NowMs() + kWriteTimeoutMs)) {
       for (const RespReply& r : replies) (r.type == '+' ? writes_ : errors_) += 1;
     } else {
       ++errors_;

@@ -133,6 +133,10 @@ class KVCacheManager:
         ] = {},
         disk_cache_dir: str = "",
         lend_free_memory: bool = False,
+        shared_cache_url: str = "",
+        shared_cache_namespace: str = "",
+        shared_cache_timeout_ms: typing.SupportsIndex = 5,
+        shared_cache_queue_bytes: typing.SupportsIndex = 67108864,
     ) -> None: ...
     def _add_sequence(
         self,
@@ -235,6 +239,10 @@ class KVCacheManager:
     def fits_when_empty(self, blocks: dict) -> bool:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
+        """
+    def flush_shared_cache(self, timeout_ms: typing.SupportsIndex = 1000) -> bool:
+        """
+        Waits up to timeout_ms until every block queued for the shared tier was written (or failed); True if the queue drained (always True without a shared tier).
         """
     def get_blocks_to_run_alone(
         self,
@@ -403,6 +411,11 @@ class KVCacheManager:
         """
     @property
     def reuse_enabled(self) -> bool: ...
+    @property
+    def shared_cache_namespace(self) -> str:
+        """
+        The shared tier's key prefix ('' without a shared tier).
+        """
     @property
     def tokens_per_block(self) -> int: ...
     @property

@@ -766,6 +766,7 @@ class KVCacheManager {
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
   // The shared tier (kv_cache_manager_shared.cpp): null without one.
   std::unique_ptr<SharedTier> shared_;
+  std::int32_t shared_timeout_ms_ = 0;     // bound on one admission's lookups
   std::vector<std::int32_t> shared_label_;  // per window: its key label (the window, 0 for full attention)
   SharedFetch shared_fetch_;
   std::vector<unsigned char> shared_buffer_;  // a block's bytes on their way to the store

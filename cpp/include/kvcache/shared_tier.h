@@ -48,8 +48,10 @@ class RespConnection {
   /// Appends one command (its arguments as RESP bulk strings) to `wire`.
   static void Append(std::string* wire, const std::vector<std::pair<const void*, std::size_t>>& args);
   /// Sends `wire` (`count` commands) and reads `count` replies into *replies; false on any
-  /// failure or when `timeout_ms` runs out (the replies are then incomplete).
-  bool Call(const std::string& wire, std::size_t count, std::vector<RespReply>* replies, int timeout_ms);
+  /// failure or at `deadline_ms` (steady-clock milliseconds; the replies are then incomplete).
+  bool Call(const std::string& wire, std::size_t count, std::vector<RespReply>* replies, std::int64_t deadline_ms);
+  /// Now on the clock that deadlines use.
+  static std::int64_t NowMs();
 
  private:
   bool Connect(std::int64_t deadline_ms);
@@ -74,11 +76,11 @@ struct SharedTierCounters {
 };
 
 /// The store as the manager sees it: pipelined lookups on the caller's thread (under the
-/// manager's lock, bounded by `timeout_ms`) and writes by a background thread from a queue
-/// bounded by `queue_bytes` (a write that does not fit is dropped and counted).
+/// manager's lock, each bounded by the caller's deadline) and writes by a background thread
+/// from a queue bounded by `queue_bytes` (a write that does not fit is dropped and counted).
 class SharedTier {
  public:
-  SharedTier(RedisAddress address, std::string ns, int timeout_ms, std::size_t queue_bytes);
+  SharedTier(RedisAddress address, std::string ns, std::size_t queue_bytes);
   ~SharedTier();
   SharedTier(const SharedTier&) = delete;
   SharedTier& operator=(const SharedTier&) = delete;
@@ -86,10 +88,11 @@ class SharedTier {
   const std::string& ns() const { return ns_; }
   /// The key of window label `label` (the sliding window, or 0 for full attention) and hash.
   std::string Key(std::int32_t label, std::uint64_t hash) const;
-  /// found[i] = 1 when keys[i] exists; false (an error counted) when the store cannot answer.
-  bool Exists(const std::vector<std::string>& keys, std::vector<char>* found);
+  /// found[i] = 1 when keys[i] exists; false (an error counted) when the store cannot answer
+  /// by `deadline_ms` (RespConnection::NowMs's clock).
+  bool Exists(const std::vector<std::string>& keys, std::vector<char>* found, std::int64_t deadline_ms);
   /// values[i] = the bytes of keys[i], empty when missing; false (an error counted) on failure.
-  bool Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values);
+  bool Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values, std::int64_t deadline_ms);
   /// Reserves `bytes` of the write queue for one Push; false (a drop counted) when they would
   /// take it past its bound (one write always fits an empty queue).
   bool Reserve(std::size_t bytes);
@@ -105,7 +108,6 @@ class SharedTier {
   void WriterLoop();
 
   std::string ns_;
-  int timeout_ms_;
   std::size_t queue_bytes_;
   RespConnection lookup_;
   RespConnection writer_conn_;
