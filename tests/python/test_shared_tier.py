@@ -90,7 +90,12 @@ def server(tmp_path: Path) -> Iterator[Server]:
         s.stop()
 
 
-def make(url: str | None, model: ModelConfig = MODEL, **kw: object) -> KVCacheManager:
+def make(
+    url: str | None,
+    model: ModelConfig = MODEL,
+    blocks: dict[int, tuple[int, int]] | None = None,
+    **kw: object,
+) -> KVCacheManager:
     config = KvCacheConfig(
         tokens_per_block=4,
         backend="host",
@@ -99,9 +104,8 @@ def make(url: str | None, model: ModelConfig = MODEL, **kw: object) -> KVCacheMa
         event_buffer_max_size=1000,
         **kw,  # type: ignore[arg-type]
     )
-    return KVCacheManager.from_blocks(
-        model, config, {SWA: (8, 0), FULL: (16, 0)}, max_seq_len=64, max_batch_size=4
-    )
+    counts = blocks or {SWA: (8, 0), FULL: (16, 0)}
+    return KVCacheManager.from_blocks(model, config, counts, max_seq_len=64, max_batch_size=4)
 
 
 def window_of(layer: int) -> int:
@@ -352,3 +356,33 @@ def test_bad_shared_cache_settings_are_refused() -> None:
     named = make("redis://127.0.0.1:1", shared_cache_namespace="fleet-a")
     assert named.shared_cache_namespace == "fleet-a"
     assert make(None).shared_cache_namespace == ""
+
+
+def test_a_longer_hit_that_would_not_fit_is_left_out(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    b = make(server.url, blocks={SWA: (16, 0), FULL: (16, 0)})
+    # Another request holds 12 of each window's 16 blocks: 4 are free.
+    assert b.add_sequence(9, list(range(1000, 1048))) == 0
+    assert b.get_num_free_blocks(FULL) == 4
+    # In 4-token chunks, the store's 7 blocks would need 8 blocks at once (the hit and the
+    # first chunk); without them the first chunk needs 1. The call takes the miss.
+    assert b.add_sequence(1, PROMPT, prefill=4) == 0
+    assert [len([x for x in b.get_cache_block_ids(1, w) if x >= 0]) for w in (SWA, FULL)] == [1, 1]
+    assert b.get_kv_cache_stats().shared_hits == 0
+    b.check_invariants()
+
+
+def test_clear_shared_cache_deletes_one_namespace(server: Server) -> None:
+    from kvcache.shared_cache import clear_shared_cache, shared_cache_keys
+
+    a = make(server.url)
+    compute_and_store(a)
+    server.client().set("other:key", b"x")
+    assert clear_shared_cache(server.url, a.shared_cache_namespace) == 14
+    assert shared_cache_keys(server.url, a.shared_cache_namespace) == []
+    assert server.client().get("other:key") == b"x"
+    with pytest.raises(ValueError, match="namespace must be a non-empty str"):
+        shared_cache_keys(server.url, "")
+    with pytest.raises(ValueError, match="url must look like redis://"):
+        clear_shared_cache("http://x", "ns")
