@@ -132,7 +132,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   bool tiers = false;  // a host tier in some window (a disk tier needs one)
   for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
-  may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
+  // A shared tier makes add_sequence wait on the store too (a lookup, then copies).
+  may_copy_ = backend_->HasMemory() && (tiers || shared_ != nullptr || (reuse_ && partial_reuse_ && copy_on_partial_));
 }
 
 void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools) {

@@ -209,7 +209,8 @@ class KVCacheManager {
   bool lends_free_memory() const { return lender_->lends(); }
   /// Whether allocating blocks (AddSequence, Prefill, AddTokens, RefreshBlocks under lending) can
   /// copy KV bytes: only with a backend that has memory, and then only to or from a host or disk
-  /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
+  /// tier (evictions offload, admissions onboard), into the copy of a partly matched block, or
+  /// from the shared tier (whose lookups also wait on the network).
   /// Without that those calls are bookkeeping alone, and the Python bindings keep the GIL for
   /// them. (Rewind copies a shared tail block whenever the backend has memory.)
   bool MayCopyBlocks() const { return may_copy_; }
