@@ -15,6 +15,8 @@
 namespace kvcache {
 namespace {
 
+constexpr std::size_t kSharedFetchBatchBytes = std::size_t{4} << 20;
+
 std::int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -141,21 +143,23 @@ void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const Reu
   std::int32_t h = SharedServed(avail, base, end);
   std::vector<std::pair<std::size_t, std::int32_t>> where;
   std::vector<std::string> values;
+  // GETs of about kSharedFetchBatchBytes per round trip.
+  std::size_t block_bytes = 1;
+  for (const auto& wm : windows_) block_bytes = std::max(block_bytes, wm->BlockBytes());
+  const std::size_t batch = std::max<std::size_t>(1, kSharedFetchBatchBytes / block_bytes);
   while (h > base) {
     keys.clear();
     where.clear();
-    for (std::size_t w = 0; w < nw; ++w) {
-      for (std::int32_t d = std::max(base, FrontAt(w, h)); d < h; ++d) {
-        if (!f.values[w][static_cast<std::size_t>(d - base)].empty()) continue;
+    // Position by position, so that replies cut short by the deadline still serve a prefix.
+    for (std::int32_t d = base; d < h; ++d) {
+      for (std::size_t w = 0; w < nw; ++w) {
+        if (d < FrontAt(w, h) || !f.values[w][static_cast<std::size_t>(d - base)].empty()) continue;
         keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
         where.emplace_back(w, d);
       }
     }
     if (keys.empty()) break;
-    if (!shared_->Fetch(keys, &values, deadline)) {
-      h = base;
-      break;
-    }
+    const bool complete = shared_->Fetch(keys, &values, deadline, batch);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto [w, d] = where[i];
       const auto j = static_cast<std::size_t>(d - base);
@@ -165,6 +169,14 @@ void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const Reu
         avail[w][j] = 0;
         if (!values[i].empty()) shared_->CountError();  // present but not this block's intact bytes
       }
+    }
+    if (!complete) {
+      // The store failed or the time ran out: what was verified is all there is.
+      for (std::size_t w = 0; w < nw; ++w) {
+        for (std::size_t j = 0; j < span; ++j) avail[w][j] = f.values[w][j].empty() ? 0 : 1;
+      }
+      h = SharedServed(avail, base, h);
+      break;
     }
     h = SharedServed(avail, base, h);
   }

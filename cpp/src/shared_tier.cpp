@@ -138,7 +138,14 @@ bool RespConnection::Call(const std::string& wire, std::size_t count, std::vecto
                           std::int64_t deadline) {
   replies->clear();
   if (fd_ < 0 && !Connect(deadline)) return false;
-  if (!Send(wire, deadline) || !Receive(count, replies, deadline)) return Fail();
+  if (!Send(wire, deadline) || !Receive(count, replies, deadline)) {
+    if (NowMs() < deadline) return Fail();
+    // Out of time on a live connection: a slow store (or a large reply), not a gone one. The
+    // replies still due would garble the next call, so the connection closes, but the next
+    // call connects again at once.
+    Close();
+    return false;
+  }
   backoff_ms_ = 0;
   return true;
 }
@@ -262,18 +269,25 @@ bool SharedTier::Exists(const std::vector<std::string>& keys, std::vector<char>*
 }
 
 bool SharedTier::Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values,
-                       std::int64_t deadline_ms) {
+                       std::int64_t deadline_ms, std::size_t batch) {
   values->assign(keys.size(), std::string());
-  if (keys.empty()) return true;
-  std::string wire;
-  for (const std::string& k : keys) RespConnection::Append(&wire, {{"GET", 3}, {k.data(), k.size()}});
+  batch = std::max<std::size_t>(1, batch);
   std::vector<RespReply> replies;
-  if (!lookup_.Call(wire, keys.size(), &replies, deadline_ms)) {
-    CountError();
-    return false;
-  }
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (replies[i].type == '$' && !replies[i].nil) (*values)[i] = std::move(replies[i].text);
+  for (std::size_t first = 0; first < keys.size(); first += batch) {
+    const std::size_t last = std::min(keys.size(), first + batch);
+    std::string wire;
+    for (std::size_t i = first; i < last; ++i) {
+      RespConnection::Append(&wire, {{"GET", 3}, {keys[i].data(), keys[i].size()}});
+    }
+    const bool ok = lookup_.Call(wire, last - first, &replies, deadline_ms);
+    // After a failure, the replies that arrived before it still count.
+    for (std::size_t i = 0; i < replies.size(); ++i) {
+      if (replies[i].type == '$' && !replies[i].nil) (*values)[first + i] = std::move(replies[i].text);
+    }
+    if (!ok) {
+      CountError();
+      return false;
+    }
   }
   return true;
 }

@@ -37,7 +37,8 @@ struct RespReply {
 /// reads one reply per command, never waiting past its deadline (non-blocking socket, poll()).
 /// Any failure (refused, reset, a protocol error, the deadline) closes the connection; the next
 /// call connects again, but not before a backoff (50 ms doubling to 2 s, reset by a success)
-/// during which calls fail at once. Not thread-safe.
+/// during which calls fail at once; a call that ran out of time on a live connection closes
+/// it without a backoff. Not thread-safe.
 class RespConnection {
  public:
   explicit RespConnection(RedisAddress address) : address_(std::move(address)) {}
@@ -91,8 +92,12 @@ class SharedTier {
   /// found[i] = 1 when keys[i] exists; false (an error counted) when the store cannot answer
   /// by `deadline_ms` (RespConnection::NowMs's clock).
   bool Exists(const std::vector<std::string>& keys, std::vector<char>* found, std::int64_t deadline_ms);
-  /// values[i] = the bytes of keys[i], empty when missing; false (an error counted) on failure.
-  bool Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values, std::int64_t deadline_ms);
+  /// values[i] = the bytes of keys[i], empty when missing; false (an error counted) on failure,
+  /// when the values of the replies that arrived before it are still filled in. Sends `batch`
+  /// GETs at a time: Redis answers a pipeline once it has run all of it, so smaller batches let
+  /// a lookup cut short by its deadline keep what came back.
+  bool Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values, std::int64_t deadline_ms,
+             std::size_t batch);
   /// Reserves `bytes` of the write queue for one Push; false (a drop counted) when they would
   /// take it past its bound (one write always fits an empty queue).
   bool Reserve(std::size_t bytes);
