@@ -94,12 +94,13 @@ def make(
     url: str | None,
     model: ModelConfig = MODEL,
     blocks: dict[int, tuple[int, int]] | None = None,
+    max_attention_window: list[int | None] | None = [SWA, None],  # noqa: B006 (never mutated)
     **kw: object,
 ) -> KVCacheManager:
     config = KvCacheConfig(
         tokens_per_block=4,
         backend="host",
-        max_attention_window=[SWA, None],
+        max_attention_window=max_attention_window,
         shared_cache_url=url,
         event_buffer_max_size=1000,
         **kw,  # type: ignore[arg-type]
@@ -112,7 +113,9 @@ def window_of(layer: int) -> int:
     return SWA if layer % 2 == 0 else FULL
 
 
-def compute_and_store(m: KVCacheManager, seed: int = 0) -> dict[tuple[int, int], list[np.ndarray]]:
+def compute_and_store(
+    m: KVCacheManager, seed: int = 0, windows: tuple[int, ...] = (SWA, FULL)
+) -> dict[tuple[int, int], list[np.ndarray]]:
     """Request 1 runs PROMPT: every block gets random KV, then the request ends and stores it.
     Returns the bytes of every (window, position) it stored, one array per layer."""
     rng = np.random.default_rng(seed)
@@ -121,7 +124,7 @@ def compute_and_store(m: KVCacheManager, seed: int = 0) -> dict[tuple[int, int],
         buf = m.get_buffers(layer)
         buf[...] = rng.standard_normal(buf.shape).astype(buf.dtype)
     want: dict[tuple[int, int], list[np.ndarray]] = {}
-    for w in (SWA, FULL):
+    for w in windows:
         for d, b in enumerate(m.get_cache_block_ids(1, w)[:FULL_BLOCKS]):
             want[w, d] = [
                 m.get_buffers(layer)[b].copy() for layer in range(4) if window_of(layer) == w
@@ -386,3 +389,93 @@ def test_clear_shared_cache_deletes_one_namespace(server: Server) -> None:
         shared_cache_keys(server.url, "")
     with pytest.raises(ValueError, match="url must look like redis://"):
         clear_shared_cache("http://x", "ns")
+
+
+class StallingStore:
+    """A fake Redis: answers EXISTS from `values`, then the first `answered` GETs, and then
+    nothing more (a store that became slow mid-reply)."""
+
+    def __init__(self, values: dict[bytes, bytes], answered: int) -> None:
+        import threading
+
+        self.values = values
+        self.answered = answered
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        buf = b""
+        gets = 0
+        while True:
+            try:
+                data = conn.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            while True:
+                command, buf = _parse_command(buf)
+                if command is None:
+                    break
+                name, key = command[0].upper(), command[1]
+                if name == b"EXISTS":
+                    conn.sendall(b":1\r\n" if key in self.values else b":0\r\n")
+                elif name == b"GET":
+                    gets += 1
+                    if gets <= self.answered:
+                        v = self.values[key]
+                        conn.sendall(b"$%d\r\n%s\r\n" % (len(v), v))
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def _parse_command(buf: bytes) -> tuple[list[bytes] | None, bytes]:
+    """One RESP array of bulk strings from the front of `buf`, or None if incomplete."""
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None, buf
+    count, pos, out = int(buf[1:end]), end + 2, []
+    for _ in range(count):
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return None, buf
+        length = int(buf[pos + 1 : end])
+        if len(buf) < end + 2 + length + 2:
+            return None, buf
+        out.append(buf[end + 2 : end + 2 + length])
+        pos = end + 2 + length + 2
+    return out, buf[pos:]
+
+
+def test_a_store_that_stalls_mid_reply_serves_the_prefix_that_came_back(server: Server) -> None:
+    full_only = {"model": MODEL, "blocks": {FULL: (16, 0)}, "max_attention_window": None}
+    a = make(server.url, **full_only)  # type: ignore[arg-type]
+    compute_and_store(a, windows=(FULL,))
+    client = server.client()
+    values = {k: client.get(k) for k in client.keys("*")}
+    assert len(values) == 7
+    store = StallingStore(values, answered=3)
+    try:
+        b = make(store.url, shared_cache_timeout_ms=200, **full_only)  # type: ignore[arg-type]
+        start = time.monotonic()
+        assert b.add_sequence(1, PROMPT) == 12  # blocks 0..2 arrived; 3..6 never did
+        assert time.monotonic() - start < 5  # a hang guard
+        s = b.get_kv_cache_stats()
+        assert (s.shared_hits, s.shared_errors) == (3, 1)
+        b.check_invariants()
+    finally:
+        store.close()
