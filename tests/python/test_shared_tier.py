@@ -347,6 +347,12 @@ def test_bad_shared_cache_settings_are_refused() -> None:
         KvCacheConfig(shared_cache_url="http://x")
     with pytest.raises(ValueError, match="shared_cache_namespace needs shared_cache_url"):
         KvCacheConfig(shared_cache_namespace="ns")
+    with pytest.raises(ValueError, match="shared_cache_queue_bytes"):
+        KvCacheConfig(shared_cache_url="redis://h", shared_cache_queue_bytes=-1)
+    with pytest.raises(ValueError, match="shared_cache_url must be a non-empty str or None"):
+        KvCacheConfig(shared_cache_url="")
+    c = KvCacheConfig(shared_cache_url="redis://h:1/2", shared_cache_namespace="n")
+    assert KvCacheConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="shared_cache_timeout_ms"):
         KvCacheConfig(shared_cache_url="redis://h", shared_cache_timeout_ms=0)
     with pytest.raises(ValueError, match=r"the port must be an integer in 1\.\.65535"):
