@@ -485,3 +485,22 @@ def test_a_store_that_stalls_mid_reply_serves_the_prefix_that_came_back(server: 
         b.check_invariants()
     finally:
         store.close()
+
+
+def test_another_manager_hits_blocks_a_running_request_stored(server: Server) -> None:
+    a = make(server.url)
+    rng = np.random.default_rng(3)
+    assert a.add_sequence(1, PROMPT) == 0
+    for layer in range(MODEL.num_layers):
+        buf = a.get_buffers(layer)
+        buf[...] = rng.standard_normal(buf.shape).astype(buf.dtype)
+    assert a.store_context_blocks(1) == 7  # request 1 keeps running
+    assert a.flush_shared_cache()
+    b = make(server.url)
+    assert b.add_sequence(5, PROMPT) == 28
+    for d in range(7):
+        want = a.get_cache_block_ids(1, FULL)[d]
+        got = b.get_cache_block_ids(5, FULL)[d]
+        for layer in (1, 3):
+            np.testing.assert_array_equal(b.get_buffers(layer)[got], a.get_buffers(layer)[want])
+    assert a.has_sequence(1)
