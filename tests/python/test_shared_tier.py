@@ -504,3 +504,54 @@ def test_another_manager_hits_blocks_a_running_request_stored(server: Server) ->
         for layer in (1, 3):
             np.testing.assert_array_equal(b.get_buffers(layer)[got], a.get_buffers(layer)[want])
     assert a.has_sequence(1)
+
+
+def _expected_kv(tokens: list[int], d: int, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The KV an engine computes for block d of `tokens` in `layer`: a function of the prefix."""
+    seed = hash((tuple(tokens[: (d + 1) * 4]), layer)) & 0xFFFFFFFF
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
+
+
+def test_randomized_managers_sharing_a_store_only_ever_serve_the_right_bytes(
+    server: Server,
+) -> None:
+    rng = np.random.default_rng(11)
+    managers = [make(server.url, blocks={SWA: (10, 0), FULL: (12, 0)}) for _ in range(3)]
+    stems = [list(rng.integers(0, 50, size=16)) for _ in range(3)]
+    live: list[tuple[int, int, list[int]]] = []  # (manager, request, tokens)
+    next_id = 0
+    for _ in range(60):
+        if live and (len(live) >= 3 or rng.random() < 0.4):
+            i, rid, _tokens = live.pop(int(rng.integers(len(live))))
+            managers[i].remove_sequence(rid)
+            managers[i].flush_shared_cache(timeout_ms=10_000)
+            continue
+        i = int(rng.integers(3))
+        m = managers[i]
+        tokens = [int(t) for t in stems[int(rng.integers(3))][: int(rng.integers(5, 17))]]
+        tokens += [int(t) for t in rng.integers(0, 50, size=int(rng.integers(1, 12)))]
+        try:
+            reused = m.add_sequence(next_id, tokens)
+        except Exception:  # a full pool: the request waits (nothing changed)
+            m.check_invariants()
+            continue
+        shape = m.get_buffers(0).shape[1:]
+        n_blocks = (len(tokens) + 3) // 4
+        for w in (SWA, FULL):
+            ids = m.get_cache_block_ids(next_id, w)
+            for d in range(n_blocks):
+                if ids[d] < 0:
+                    continue
+                for layer in [x for x in range(4) if window_of(x) == w]:
+                    buf = m.get_buffers(layer)
+                    want = _expected_kv(tokens, d, layer, shape)
+                    if d < reused // 4:  # reused: locally or from the store, the exact bytes
+                        np.testing.assert_array_equal(buf[ids[d]], want)
+                    else:  # computed now
+                        buf[ids[d]] = want
+        m.check_invariants()
+        live.append((i, next_id, tokens))
+        next_id += 1
+    stats = [m.get_kv_cache_stats() for m in managers]
+    assert sum(s.shared_hits for s in stats) > 0 and sum(s.shared_errors for s in stats) == 0
+    assert sum(s.reused_blocks for s in stats) > sum(s.shared_hits for s in stats)  # local hits too
