@@ -63,6 +63,8 @@ inline constexpr char kOffloadMinPriority[] = "secondary_offload_min_priority";
 inline constexpr char kEventBufferMaxSize[] = "event_buffer_max_size";
 inline constexpr char kDiskBlocksKey[] = "disk_blocks_per_window window";
 inline constexpr char kDiskBlocksCount[] = "disk_blocks_per_window count";
+inline constexpr char kSharedCacheTimeoutMs[] = "shared_cache_timeout_ms";
+inline constexpr char kSharedCacheQueueBytes[] = "shared_cache_queue_bytes";
 inline constexpr char kNeedWindow[] = "blocks window";
 inline constexpr char kNeedCount[] = "blocks count";
 
@@ -104,6 +106,8 @@ using MaxDraftTokens = Int<std::int32_t, kMaxDraftTokens, 0>;
 using OffloadMinPriority = Int<int, kOffloadMinPriority, kMinPriority, kMaxPriority>;
 using EventBufferMaxSize = Int<std::size_t, kEventBufferMaxSize>;
 using DiskBlocksPerWindow = std::map<Int<WindowSize, kDiskBlocksKey, 1>, Int<std::int32_t, kDiskBlocksCount, 0>>;
+using SharedCacheTimeoutMs = Int<std::int32_t, kSharedCacheTimeoutMs, 1>;
+using SharedCacheQueueBytes = Int<std::int64_t, kSharedCacheQueueBytes, 0>;
 using BlocksNeeded = std::map<Int<WindowSize, kNeedWindow, 1>, Int<std::int32_t, kNeedCount>>;
 
 template <typename T, const char* Name, T Lo, T Hi>

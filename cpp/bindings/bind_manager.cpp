@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -292,6 +293,10 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["offloaded_blocks"] = s.offloaded_blocks;
   d["onboarded_blocks"] = s.onboarded_blocks;
   d["disk_read_failures"] = s.disk_read_failures;
+  d["shared_hits"] = s.shared_hits;
+  d["shared_writes"] = s.shared_writes;
+  d["shared_write_drops"] = s.shared_write_drops;
+  d["shared_errors"] = s.shared_errors;
   d["reused_blocks_per_window_size"] = s.reused_blocks_per_window_size;
   d["missed_blocks_per_window_size"] = s.missed_blocks_per_window_size;
   d["num_cached_nodes"] = s.num_cached_nodes;
@@ -318,7 +323,9 @@ std::unique_ptr<KVCacheManager> MakeManager(
     bool copy_on_partial_reuse, bool onboard_blocks, OffloadMinPriority secondary_offload_min_priority,
     EventBufferMaxSize event_buffer_max_size, const std::string& swa_reuse_policy,
     const std::vector<LayerHeadDim>& head_dims, const std::vector<std::string>& dtypes, bool protect_reused_blocks,
-    const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir, bool lend_free_memory) {
+    const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir, bool lend_free_memory,
+    const std::string& shared_cache_url, const std::string& shared_cache_namespace,
+    SharedCacheTimeoutMs shared_cache_timeout_ms, SharedCacheQueueBytes shared_cache_queue_bytes) {
   ModelSpec model;
   model.num_layers = num_layers;
   model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
@@ -348,6 +355,10 @@ std::unique_ptr<KVCacheManager> MakeManager(
   for (const auto& [w, count] : disk_blocks_per_window) config.disk_blocks_per_window[w] = count;
   config.disk_cache_dir = disk_cache_dir;
   config.lend_free_memory = lend_free_memory;
+  config.shared_cache_url = shared_cache_url;
+  config.shared_cache_namespace = shared_cache_namespace;
+  config.shared_cache_timeout_ms = shared_cache_timeout_ms;
+  config.shared_cache_queue_bytes = static_cast<std::size_t>(shared_cache_queue_bytes.value);
   pybind11::gil_scoped_release release;
   return std::make_unique<KVCacheManager>(model, config);
 }
@@ -427,7 +438,9 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("head_dims") = std::vector<LayerHeadDim>{}, pybind11::arg("dtypes") = std::vector<std::string>{},
           pybind11::arg("protect_reused_blocks") = true,
           pybind11::arg("disk_blocks_per_window") = DiskBlocksPerWindow{}, pybind11::arg("disk_cache_dir") = "",
-          pybind11::arg("lend_free_memory") = false);
+          pybind11::arg("lend_free_memory") = false, pybind11::arg("shared_cache_url") = "",
+          pybind11::arg("shared_cache_namespace") = "", pybind11::arg("shared_cache_timeout_ms") = 5,
+          pybind11::arg("shared_cache_queue_bytes") = std::int64_t{64} << 20);
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)
@@ -437,6 +450,17 @@ void BindManager(pybind11::module_& m) {
       .def_property_readonly("max_blocks_per_seq", &M::max_blocks_per_seq)
       .def_property_readonly("kv_factor", &M::kv_factor)
       .def_property_readonly("backend", [](const M& self) { return BackendName(self.backend()); })
+      .def_property_readonly("shared_cache_namespace", &M::shared_cache_namespace,
+                             "The shared tier's key prefix ('' without a shared tier).")
+      .def(
+          "flush_shared_cache",
+          [](M& self, TimeoutMs timeout_ms) {
+            pybind11::gil_scoped_release release;
+            return self.FlushSharedCache(static_cast<std::int32_t>(std::min<std::int64_t>(timeout_ms, 1 << 30)));
+          },
+          pybind11::arg("timeout_ms") = 1000,
+          "Waits up to timeout_ms until every block queued for the shared tier was written (or failed); "
+          "True if the queue drained (always True without a shared tier).")
       .def_property_readonly("blocks_per_window",
                              [](const M& self) {
                                std::map<WindowSize, std::pair<std::int32_t, std::int32_t>> out;

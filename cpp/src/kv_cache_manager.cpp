@@ -114,7 +114,9 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
   tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
   backend_ = MakeBackend(config.backend);
-  MakeWindows(config, PlanPools(model, layer_window));
+  std::vector<std::vector<PoolLayout>> pools = PlanPools(model, layer_window);
+  MakeSharedTier(config, pools);
+  MakeWindows(config, std::move(pools));
   check_need_.assign(window_sizes_.size(), 0);
   admit_fresh_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
@@ -130,7 +132,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   }
   bool tiers = false;  // a host tier in some window (a disk tier needs one)
   for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
-  may_copy_ = backend_->HasMemory() && (tiers || (reuse_ && partial_reuse_ && copy_on_partial_));
+  // A shared tier makes add_sequence wait on the store too (a lookup, then copies).
+  may_copy_ = backend_->HasMemory() && (tiers || shared_ != nullptr || (reuse_ && partial_reuse_ && copy_on_partial_));
 }
 
 void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::vector<PoolLayout>> window_pools) {
@@ -684,6 +687,13 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.offloaded_blocks += wm.offloaded_blocks();
     s.onboarded_blocks += wm.onboarded_blocks();
     s.disk_read_failures += wm.disk_read_failures();
+  }
+  if (shared_ != nullptr) {
+    const SharedTierCounters c = shared_->Counters();
+    s.shared_hits = c.hits;
+    s.shared_writes = c.writes;
+    s.shared_write_drops = c.write_drops;
+    s.shared_errors = c.errors;
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
   s.lent_slabs = lender_->lent_slabs();

@@ -26,8 +26,9 @@ void KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_
     const WindowBlockManager& wm = *windows_[w];
     std::int32_t& f = front[w];
     if (wm.is_swa()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
-    KVC_CHECK(f <= plan.full_blocks, "reuse plan: released front past the matched blocks");
-    need[w] = num_blocks - plan.full_blocks;  // the partial block (taken over or copied) and fresh ones
+    KVC_CHECK(f <= plan.full_blocks + plan.shared_blocks, "reuse plan: released front past the matched blocks");
+    // The partial block (taken over or copied), blocks filled from the shared tier, fresh ones.
+    need[w] = num_blocks - std::max(f, plan.full_blocks);
     for (std::int32_t i = f; i < plan.full_blocks; ++i) {
       const BlockId b = tree_->Block(plan.path[static_cast<std::size_t>(i)], static_cast<std::int32_t>(w));
       if (!wm.IsPrimary(b) || wm.RefCount(b) == 0) ++need[w];  // onboard, or a cached free block
@@ -175,14 +176,28 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
   // dropped (with what cascades below it) and the prompt planned again, so the hit stops before
   // it (a miss from there on). Each round takes a disk block off the prompt's path and none
   // joins it (spills move other content: the path's blocks are claimed), so the loop ends.
+  // The shared tier is looked up once; its blocks extend a plan whose local hit ends where the
+  // lookup started, and are left out if they would make the admission short of blocks.
+  bool looked_up = false;
+  bool use_shared = shared_ != nullptr;
   for (;;) {
     const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared.get());
+    if (use_shared && !looked_up) FetchShared(tokens, n, extras, prepared.get());
+    looked_up = true;
+    if (use_shared) ApplyShared();
     const Admission a = PlanAdmission(plan, n, prefill);
-    CheckAdmissionBlocks(id, n, plan, a);
+    try {
+      CheckAdmissionBlocks(id, n, plan, a);
+    } catch (const OutOfBlocksError&) {
+      if (a.shared == 0) throw;
+      use_shared = false;
+      continue;
+    }
     Sequence& seq = RegisterSequence(id, tokens, n, options, extras, prepared, a, plan.reused_tokens);
     std::fill(src_held.begin(), src_held.end(), 0);
     try {
       Admit(seq, plan, a, &src_held);
+      shared_fetch_ = SharedFetch{};  // its bytes are in the blocks now
       return plan.reused_tokens;
     } catch (const DiskReadError& e) {
       UndoAdmission(seq, plan, src_held);
@@ -260,6 +275,7 @@ KVCacheManager::Admission KVCacheManager::PlanAdmission(const ReusePlan& plan, s
   a.prompt_blocks = CeilDiv(static_cast<std::int64_t>(n), tpb_);
   a.full = plan.full_blocks;
   a.has_partial = plan.partial_tokens > 0 ? 1 : 0;
+  a.shared = plan.shared_blocks;
   return a;
 }
 
@@ -359,12 +375,16 @@ std::int64_t KVCacheManager::HandOutPrompt(Sequence& seq, std::size_t w, const R
       ++fresh;
     }
   }
-  AttachFresh(seq, w, full + a.has_partial, a.num_blocks);
-  return fresh + (a.num_blocks - (full + a.has_partial));
+  // A sliding window's front may lie past the local hit when the shared tier extends it.
+  const std::int32_t fresh_from = std::max(full + a.has_partial, prompt_front_[w]);
+  AttachFresh(seq, w, fresh_from, a.num_blocks);
+  if (a.shared > 0) FillShared(seq, w, fresh_from, full + a.shared);
+  return fresh + (a.num_blocks - fresh_from);
 }
 
 void KVCacheManager::CountAdmission(Sequence& seq, std::size_t w, const Admission& a, std::int64_t fresh) {
-  const std::int64_t reused_w = reuse_ ? a.full + a.has_partial : 0;
+  const std::int64_t reused_w = reuse_ ? a.full + a.has_partial + a.shared : 0;
+  if (a.shared > 0) shared_->CountHits(a.full + a.shared - std::max(a.full, prompt_front_[w]));
   const std::int64_t missed_w = reuse_ ? a.prompt_blocks - reused_w : 0;  // the lookup covers the whole prompt
   counters_[w].alloc_total += a.num_blocks - prompt_front_[w];
   counters_[w].alloc_new += fresh;

@@ -40,6 +40,7 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
   plan.partial = kNoNode;
   plan.partial_tokens = 0;
   plan.reused_tokens = 0;
+  plan.shared_blocks = 0;
   plan.partial_src.assign(nw, kNullBlock);
   plan.partial_takeover.assign(nw, 0);
   if (!reuse_) return plan;
@@ -344,6 +345,8 @@ KVCacheManager::StoredPosition KVCacheManager::StorePosition(const Sequence& seq
     if (b != kNullBlock && !shared_partial && tree_->Block(here.node, wi) == kNullBlock && wm.NodeOf(b) == kNoNode) {
       wm.Link(b, here.node);
       out.any = true;
+      // To the shared tier too, unless the block came from a hit (it is there or cached).
+      if (shared_ != nullptr && len == tpb_ && d >= seq.reused_tokens / tpb_) WriteShared(w, here.hash, b);
       if (events->on()) {
         const TokenId* t = seq.TokenData() + d * tpb_;
         StoredBlock block;

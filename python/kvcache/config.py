@@ -479,6 +479,16 @@ class KvCacheConfig:
             written there and onboarded on a hit (0: none; needs ``host_cache_size`` > 0).
         disk_cache_dir: Directory of the disk tier's files; ``None``: a private temporary
             directory, removed with the manager.
+        shared_cache_url: A Redis server that managers (engines) share KV blocks through,
+            ``"redis://host[:port][/db]"``; ``None``: no shared tier. Needs block reuse and a
+            backend with memory. See API.md "The shared tier".
+        shared_cache_namespace: Key prefix in the store; ``None``: ``"kvcache:"`` and a
+            fingerprint of the model layout, dtypes, tokens per block and windows, so only
+            managers whose blocks are interchangeable read each other's.
+        shared_cache_timeout_ms: Most milliseconds one ``add_sequence`` spends on the store's
+            lookups (> 0; default 5): past it the lookup is a miss.
+        shared_cache_queue_bytes: Bytes of blocks queued for the store's writer at most
+            (default 64 MiB); a block that does not fit is dropped and counted.
         enable_block_reuse: Reuse cached prompt prefixes across requests.
         enable_partial_reuse: Allow reusing a partially matching block.
         copy_on_partial_reuse: Copy a partially matched block instead of taking it over.
@@ -551,6 +561,10 @@ class KvCacheConfig:
     kv_cache_dtype: str | Mapping[KvDtypeKey, str] | None = None
     disk_cache_size: int = 0
     disk_cache_dir: str | None = None
+    shared_cache_url: str | None = None
+    shared_cache_namespace: str | None = None
+    shared_cache_timeout_ms: int = 5
+    shared_cache_queue_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
@@ -587,6 +601,19 @@ class KvCacheConfig:
             raise ValueError(
                 f"disk_cache_dir must be a non-empty str or None, got {self.disk_cache_dir!r}"
             )
+        for name in ("shared_cache_url", "shared_cache_namespace"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty str or None, got {value!r}")
+        if self.shared_cache_url is not None and not self.shared_cache_url.startswith("redis://"):
+            raise ValueError(
+                "shared_cache_url must look like redis://host:port/db, got "
+                f"{self.shared_cache_url!r}"
+            )
+        if self.shared_cache_namespace is not None and self.shared_cache_url is None:
+            raise ValueError("shared_cache_namespace needs shared_cache_url")
+        _positive_int("shared_cache_timeout_ms", self.shared_cache_timeout_ms)
+        _non_negative_int("shared_cache_queue_bytes", self.shared_cache_queue_bytes)
         for name in (
             "enable_block_reuse",
             "enable_partial_reuse",

@@ -105,6 +105,11 @@ class KvCacheStats:
     first write into a shared block made (summed over windows).
     ``disk_read_failures`` counts disk-tier blocks dropped because they could not be read back
     intact (I/O error, short read, failed checksum): each was served as a miss.
+    Shared tier (``shared_cache_url``): ``shared_hits`` blocks filled from the store at
+    ``add_sequence`` (summed over windows), ``shared_writes`` blocks the store accepted,
+    ``shared_write_drops`` blocks not written because the write queue was full, and
+    ``shared_errors`` lookups or write batches that failed or timed out plus fetched blocks
+    that did not verify (each a miss).
     """
 
     max_num_blocks: int
@@ -121,6 +126,10 @@ class KvCacheStats:
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
     disk_read_failures: int = 0
+    shared_hits: int = 0
+    shared_writes: int = 0
+    shared_write_drops: int = 0
+    shared_errors: int = 0
     reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     num_cached_nodes: int = 0
@@ -281,6 +290,10 @@ def _native_kwargs(
         "disk_blocks_per_window": disk,
         "disk_cache_dir": config.disk_cache_dir or "",
         "lend_free_memory": config.lend_free_memory,
+        "shared_cache_url": config.shared_cache_url or "",
+        "shared_cache_namespace": config.shared_cache_namespace or "",
+        "shared_cache_timeout_ms": config.shared_cache_timeout_ms,
+        "shared_cache_queue_bytes": config.shared_cache_queue_bytes,
     }
 
 

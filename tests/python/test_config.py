@@ -126,6 +126,10 @@ def test_kv_defaults_match_api() -> None:
         "kv_cache_dtype": None,
         "disk_cache_size": 0,
         "disk_cache_dir": None,
+        "shared_cache_url": None,
+        "shared_cache_namespace": None,
+        "shared_cache_timeout_ms": 5,
+        "shared_cache_queue_bytes": 64 << 20,
     }
 
 

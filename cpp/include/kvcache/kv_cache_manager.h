@@ -22,6 +22,7 @@
 #include "kvcache/prepared_prompt.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/sequence.h"
+#include "kvcache/shared_tier.h"
 #include "kvcache/slab_lender.h"
 #include "kvcache/types.h"
 #include "kvcache/window_block_manager.h"
@@ -94,6 +95,13 @@ struct ManagerConfig {
   /// Disk-tier slots per window (below the secondary pool; missing windows: none).
   std::map<WindowSize, std::int32_t> disk_blocks_per_window;
   std::string disk_cache_dir;  ///< Directory of the disk tier; empty: a private temporary one.
+  /// The shared tier: a Redis server, `redis://host[:port][/db]` (empty: none). Needs block
+  /// reuse and a backend with memory.
+  std::string shared_cache_url;
+  /// Key prefix in the store; empty: `kvcache:<fingerprint>` of what makes KV interchangeable.
+  std::string shared_cache_namespace;
+  std::int32_t shared_cache_timeout_ms = 5;  ///< Bound on one add_sequence's store lookups.
+  std::size_t shared_cache_queue_bytes = std::size_t{64} << 20;  ///< Write queue bound (bytes).
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.
@@ -113,6 +121,13 @@ struct KvCacheStats {
   std::int64_t onboarded_blocks = 0;
   /// Disk-tier blocks dropped because they could not be read back intact (each a miss).
   std::int64_t disk_read_failures = 0;
+  /// Shared tier: blocks onboarded from the store, blocks the store accepted, blocks not written
+  /// (the write queue was full) and failures (lookups or writes that failed or timed out, blocks
+  /// that did not verify).
+  std::int64_t shared_hits = 0;
+  std::int64_t shared_writes = 0;
+  std::int64_t shared_write_drops = 0;
+  std::int64_t shared_errors = 0;
   std::map<WindowSize, std::int64_t> reused_blocks_per_window_size;
   std::map<WindowSize, std::int64_t> missed_blocks_per_window_size;
   std::int64_t num_cached_nodes = 0;  ///< Nodes of the reuse tree (root excluded).
@@ -200,7 +215,8 @@ class KVCacheManager {
   bool lends_free_memory() const { return lender_->lends(); }
   /// Whether allocating blocks (AddSequence, Prefill, AddTokens, RefreshBlocks under lending) can
   /// copy KV bytes: only with a backend that has memory, and then only to or from a host or disk
-  /// tier (evictions offload, admissions onboard) or into the copy of a partly matched block.
+  /// tier (evictions offload, admissions onboard), into the copy of a partly matched block, or
+  /// from the shared tier (whose lookups also wait on the network).
   /// Without that those calls are bookkeeping alone, and the Python bindings keep the GIL for
   /// them. (Rewind copies a shared tail block whenever the backend has memory.)
   /// After a fork, AddTokens and Prefill may also copy a shared block (copy-on-write).
@@ -399,6 +415,11 @@ class KVCacheManager {
   /// The first i whose sequence ids[i] is not registered or does not hold lengths[i] tokens
   /// (NumTokens), or -1: an engine's batch check that its requests and the cache agree.
   std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
+  /// The shared tier's key prefix (empty without a shared tier).
+  std::string shared_cache_namespace() const { return shared_ != nullptr ? shared_->ns() : std::string(); }
+  /// Waits up to `timeout_ms` until every block queued for the shared tier was written (or
+  /// failed); true if the queue drained (and without a shared tier).
+  bool FlushSharedCache(std::int32_t timeout_ms);
 
  private:
   // ---- Construction (kv_cache_manager.cpp; pools: pool_layout.cpp).
@@ -418,6 +439,7 @@ class KVCacheManager {
     std::vector<BlockId> partial_src;     // per window
     std::vector<char> partial_takeover;   // per window: take the block over instead of copying
     std::int32_t reused_tokens = 0;
+    std::int32_t shared_blocks = 0;  // full blocks after full_blocks that the shared tier serves
   };
   struct WindowCounters {
     std::int64_t alloc_total = 0;
@@ -558,6 +580,7 @@ class KVCacheManager {
     std::int32_t prompt_blocks = 0;  // block positions of the whole prompt
     std::int32_t full = 0;           // reused full blocks (the plan's full_blocks)
     std::int32_t has_partial = 0;    // 1 if the block after them is partly reused
+    std::int32_t shared = 0;         // full blocks after them read from the shared tier
   };
   /// Per window: the free blocks that a prompt of `num_blocks` blocks with reuse plan `plan`
   /// takes (into prompt_need_) and the positions a sliding window leaves empty in front (into
@@ -614,6 +637,39 @@ class KVCacheManager {
   /// Validates a prompt handed to AddSequence (id >= 0) or a query (`who`, id < 0): non-empty, at
   /// most max_seq_len tokens, no negative token. Messages are built only on error.
   void ValidatePrompt(const TokenId* tokens, std::size_t n, const char* who, SeqId id) const;
+
+  // ---- The shared tier (kv_cache_manager_shared.cpp).
+  /// What one admission found in the shared tier: the blocks past the local hit `base` (-1:
+  /// none looked up) that every window can serve, and their verified bytes per window
+  /// (values[w][d - base]; empty where window w does not need position d).
+  struct SharedFetch {
+    std::int32_t base = -1;
+    std::int32_t blocks = 0;
+    std::vector<std::vector<std::string>> values;
+  };
+  /// Checks the shared tier of `config` (if any), labels the windows' keys and starts it (its
+  /// writer thread; the store is first contacted by a lookup or a write).
+  void MakeSharedTier(const ManagerConfig& config, const std::vector<std::vector<PoolLayout>>& pools);
+  /// `kvcache:` and 16 hex digits: a hash of what makes two managers' blocks interchangeable.
+  std::string SharedFingerprint(const std::vector<std::vector<PoolLayout>>& pools) const;
+  /// Looks up the prompt's full blocks past plan_.full_blocks in the store (EXISTS, then GET of
+  /// what the longest servable prefix needs), verifies them and records them in shared_fetch_.
+  /// A failure or a timeout is a miss (counted); it never throws for the store.
+  void FetchShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras, const PreparedPrompt* prepared);
+  /// The chained hashes of the prompt's first `num_full` full blocks.
+  std::vector<std::uint64_t> PromptHashes(const TokenId* tokens, const ReuseExtras& extras,
+                                          const PreparedPrompt* prepared, std::int32_t num_full) const;
+  /// The longest prefix end h in (base, end] such that every window has avail[w][d - base] for
+  /// the positions it needs at h (a sliding window only those its front leaves); base if none.
+  std::int32_t SharedServed(const std::vector<std::vector<char>>& avail, std::int32_t base, std::int32_t end) const;
+  /// The first position window `w` holds for a prefix of `h` reused blocks.
+  std::int32_t FrontAt(std::size_t w, std::int32_t h) const;
+  /// Extends plan_ by shared_fetch_ when that starts where the local hit ends.
+  void ApplyShared();
+  /// Copies the fetched bytes into `seq`'s fresh blocks at positions [first, last) of window w.
+  void FillShared(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last);
+  /// Queues block `b` of window `w` (chained hash `hash`) for the store: its bytes are copied now.
+  void WriteShared(std::size_t w, std::uint64_t hash, BlockId b);
 
   // ---- Reuse (kv_cache_manager_reuse.cpp).
   /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
@@ -748,6 +804,12 @@ class KVCacheManager {
   std::vector<std::int64_t> check_available_;
   std::vector<char> batch_counted_;
   std::vector<SeqId> displaced_;  // filled by Grant, consumed by Attach
+  // The shared tier (kv_cache_manager_shared.cpp): null without one.
+  std::unique_ptr<SharedTier> shared_;
+  std::int32_t shared_timeout_ms_ = 0;     // bound on one admission's lookups
+  std::vector<std::int32_t> shared_label_;  // per window: its key label (the window, 0 for full attention)
+  SharedFetch shared_fetch_;
+  std::vector<unsigned char> shared_buffer_;  // a block's bytes on their way to the store
   mutable std::mutex mu_;
 };
 

@@ -247,6 +247,14 @@ class WindowBlockManager {
   /// membership and levels, and tree back-links. Throws InternalError.
   void CheckInvariants(const std::vector<std::int32_t>& expected_refs) const;
 
+  /// Bytes of one block of this window (all its pools).
+  std::size_t BlockBytes() const;
+  /// Copies primary block `b`'s bytes (pool after pool) to host memory `dst` and waits.
+  void CopyOut(BlockId b, unsigned char* dst) const;
+  /// Copies BlockBytes() bytes from host memory `src` into primary block `b` (issued; the
+  /// backend's Synchronize completes it).
+  void CopyIn(BlockId b, const unsigned char* src);
+
  private:
   unsigned char* Address(BlockId b, std::size_t pool) const;
   /// Takes free primary block `b` out of the free queues and ends what it was: its cached

@@ -1,0 +1,557 @@
+"""The shared tier on Redis: managers reuse each other's blocks byte for byte, and a store that
+is gone, stalled, flushed or corrupt is a miss and a counter, never an exception."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None,
+    reason="redis-server is not on PATH (apt install redis-server)",
+)
+
+# Layers 0 and 2 slide over 8 tokens (2 blocks of 4), layers 1 and 3 are full attention.
+MODEL = ModelConfig(num_layers=4, num_kv_heads=2, head_dim=8)
+SWA, FULL = 8, 64
+PROMPT = list(range(30))  # 29 keyed tokens: 7 full blocks
+FULL_BLOCKS = 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A redis-server of its own on a free port, in a temporary directory."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if self.client().ping():
+                    break
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    pytest.importorskip("redis")
+    s = Server(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def make(
+    url: str | None,
+    model: ModelConfig = MODEL,
+    blocks: dict[int, tuple[int, int]] | None = None,
+    max_attention_window: list[int | None] | None = [SWA, None],  # noqa: B006 (never mutated)
+    **kw: object,
+) -> KVCacheManager:
+    config = KvCacheConfig(
+        tokens_per_block=4,
+        backend="host",
+        max_attention_window=max_attention_window,
+        shared_cache_url=url,
+        event_buffer_max_size=1000,
+        **kw,  # type: ignore[arg-type]
+    )
+    counts = blocks or {SWA: (8, 0), FULL: (16, 0)}
+    return KVCacheManager.from_blocks(model, config, counts, max_seq_len=64, max_batch_size=4)
+
+
+def window_of(layer: int) -> int:
+    return SWA if layer % 2 == 0 else FULL
+
+
+def compute_and_store(
+    m: KVCacheManager, seed: int = 0, windows: tuple[int, ...] = (SWA, FULL)
+) -> dict[tuple[int, int], list[np.ndarray]]:
+    """Request 1 runs PROMPT: every block gets random KV, then the request ends and stores it.
+    Returns the bytes of every (window, position) it stored, one array per layer."""
+    rng = np.random.default_rng(seed)
+    assert m.add_sequence(1, PROMPT) == 0
+    for layer in range(MODEL.num_layers):
+        buf = m.get_buffers(layer)
+        buf[...] = rng.standard_normal(buf.shape).astype(buf.dtype)
+    want: dict[tuple[int, int], list[np.ndarray]] = {}
+    for w in windows:
+        for d, b in enumerate(m.get_cache_block_ids(1, w)[:FULL_BLOCKS]):
+            want[w, d] = [
+                m.get_buffers(layer)[b].copy() for layer in range(4) if window_of(layer) == w
+            ]
+    m.remove_sequence(1)
+    assert m.flush_shared_cache(timeout_ms=10_000)
+    return want
+
+
+def held_bytes(m: KVCacheManager, request: int, w: int, d: int) -> list[np.ndarray]:
+    b = m.get_cache_block_ids(request, w)[d]
+    return [m.get_buffers(layer)[b] for layer in range(4) if window_of(layer) == w]
+
+
+def test_a_fresh_manager_reuses_another_ones_prefix_byte_exact_in_every_window(
+    server: Server,
+) -> None:
+    a = make(server.url)
+    want = compute_and_store(a)
+    # Both windows' 7 full blocks were written (not the 1-token tail), under the keys the
+    # stored events name.
+    assert a.get_kv_cache_stats().shared_writes == 14
+    hashes = {
+        (e.window_size, b["block_hash"] % 2**64)
+        for e in a.get_latest_events()
+        if e.kind == "stored"
+        for b in e.data["blocks"]
+        if len(b["tokens"]) == 4
+    }
+    ns = a.shared_cache_namespace
+    label = {SWA: SWA, FULL: 0}
+    expect = sorted(f"{ns}:w{label[w]}:{h:016x}" for w, h in hashes)
+    from kvcache.shared_cache import shared_cache_keys
+
+    assert shared_cache_keys(server.url, ns) == expect and len(expect) == 14
+
+    b = make(server.url)
+    assert b.add_sequence(7, PROMPT) == 28
+    # Full attention holds all 7 positions, the sliding window only the last 2 (its front):
+    # 9 blocks filled from the store, each byte for byte A's.
+    assert b.get_cache_block_ids(7, SWA)[:5] == [-1] * 5
+    for w, positions in ((FULL, range(7)), (SWA, range(5, 7))):
+        for d in positions:
+            for got, exp in zip(held_bytes(b, 7, w, d), want[w, d], strict=True):
+                np.testing.assert_array_equal(got, exp)
+    s = b.get_kv_cache_stats()
+    assert (s.shared_hits, s.shared_errors, s.reused_blocks_per_window_size) == (
+        9,
+        0,
+        {SWA: 7, FULL: 7},
+    )
+    b.check_invariants()
+    # B stores them (no second write: they came from the store), and a local hit follows.
+    b.remove_sequence(7)
+    assert b.flush_shared_cache() and b.get_kv_cache_stats().shared_writes == 0
+    assert b.add_sequence(8, PROMPT) == 29  # the local hit adds the 1-token tail block
+    assert b.get_kv_cache_stats().shared_hits == 9
+    b.check_invariants()
+
+
+def test_the_store_extends_a_shorter_local_hit(server: Server) -> None:
+    a = make(server.url)
+    want = compute_and_store(a)
+    b = make(server.url)
+    # A 13-token prompt: 3 blocks from the store (the window: positions 1..2), then cached.
+    assert b.add_sequence(1, PROMPT[:13]) == 12
+    assert b.get_kv_cache_stats().shared_hits == 3 + 2
+    b.remove_sequence(1)
+    # The whole prompt: 3 blocks cached here (and the 1-token tail, dropped for the store's
+    # longer hit), 4 more from the store.
+    assert b.add_sequence(2, PROMPT) == 28
+    s = b.get_kv_cache_stats()
+    assert s.shared_hits == 3 + 2 + 4 + 2  # full attention 3..6, the window 5..6
+    for d in range(3, 7):
+        for got, exp in zip(held_bytes(b, 2, FULL, d), want[FULL, d], strict=True):
+            np.testing.assert_array_equal(got, exp)
+    b.check_invariants()
+
+
+def test_managers_of_different_models_never_read_each_others_blocks(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    other = ModelConfig(num_layers=4, num_kv_heads=1, head_dim=16)  # same bytes per block
+    c = make(server.url, model=other)
+    assert c.shared_cache_namespace != a.shared_cache_namespace
+    assert c.shared_cache_namespace.startswith("kvcache:") and len(c.shared_cache_namespace) == 24
+    assert c.add_sequence(1, PROMPT) == 0
+    assert c.get_kv_cache_stats().shared_hits == 0
+    # A different block size keys tokens differently: its own namespace too.
+    d = KVCacheManager.from_blocks(
+        MODEL,
+        KvCacheConfig(
+            tokens_per_block=8,
+            backend="host",
+            max_attention_window=[SWA, None],
+            shared_cache_url=server.url,
+        ),
+        {SWA: (8, 0), FULL: (16, 0)},
+        max_seq_len=64,
+        max_batch_size=4,
+    )
+    assert d.shared_cache_namespace not in (a.shared_cache_namespace, c.shared_cache_namespace)
+    # The same model under another max_seq_len shares: full attention is labelled 0.
+    e = KVCacheManager.from_blocks(
+        MODEL,
+        KvCacheConfig(
+            tokens_per_block=4,
+            backend="host",
+            max_attention_window=[SWA, None],
+            shared_cache_url=server.url,
+        ),
+        {SWA: (8, 0), 128: (16, 0)},
+        max_seq_len=128,
+        max_batch_size=4,
+    )
+    assert e.shared_cache_namespace == a.shared_cache_namespace
+    assert e.add_sequence(1, PROMPT) == 28
+
+
+def _same_as_without_tier(m: KVCacheManager, request: int) -> None:
+    """m registered `request` with PROMPT as a manager without a shared tier would."""
+    plain = make(None)
+    assert plain.add_sequence(request, PROMPT) == 0
+    for w in (SWA, FULL):
+        assert m.get_cache_block_ids(request, w) == plain.get_cache_block_ids(request, w)
+    m.check_invariants()
+
+
+def test_a_server_killed_mid_run_gives_misses_and_nothing_half_changed(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    b = make(server.url)
+    server.stop()
+    assert b.add_sequence(1, PROMPT) == 0  # a miss, no exception
+    s = b.get_kv_cache_stats()
+    assert (s.shared_hits, s.shared_errors, s.missed_blocks_per_window_size) == (
+        0,
+        1,
+        {SWA: 8, FULL: 8},
+    )
+    _same_as_without_tier(b, 1)
+    # Writes to the dead store fail behind the calls: counted, never raised.
+    b.remove_sequence(1)
+    assert b.flush_shared_cache(timeout_ms=10_000)
+    assert b.get_kv_cache_stats().shared_writes == 0
+    assert b.get_kv_cache_stats().shared_errors >= 2
+    b.check_invariants()
+    assert b.get_kv_cache_stats().free_num_blocks == 24
+
+
+def test_a_flushed_store_is_a_plain_miss(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    server.client().flushall()
+    b = make(server.url)
+    assert b.add_sequence(1, PROMPT) == 0
+    s = b.get_kv_cache_stats()
+    assert (s.shared_hits, s.shared_errors) == (0, 0)
+    _same_as_without_tier(b, 1)
+
+
+def test_a_port_nobody_listens_on_is_a_miss_and_a_counter() -> None:
+    m = make(f"redis://127.0.0.1:{_free_port()}")
+    assert m.add_sequence(1, PROMPT) == 0
+    m.remove_sequence(1, store_for_reuse=False)
+    assert m.add_sequence(2, PROMPT) == 0  # within the backoff: no new connection attempt
+    s = m.get_kv_cache_stats()
+    assert (s.shared_hits, s.shared_errors) == (0, 2)
+    m.check_invariants()
+
+
+def test_a_block_that_does_not_verify_ends_the_hit_before_it(server: Server) -> None:
+    a = make(server.url)
+    want = compute_and_store(a)
+    ns = a.shared_cache_namespace
+    stored = [
+        (e.window_size, b["block_hash"] % 2**64)
+        for e in a.get_latest_events()
+        if e.kind == "stored" and e.window_size == FULL
+        for b in e.data["blocks"]
+    ]
+    key = f"{ns}:w0:{stored[3][1]:016x}"  # full attention, position 3
+    client = server.client()
+    value = bytearray(client.get(key))
+    value[-1] ^= 0xFF  # one flipped bit of the last byte: the checksum fails
+    client.set(key, bytes(value))
+    b = make(server.url)
+    # The hit stops at 3 blocks; the window then needs positions 1..2.
+    assert b.add_sequence(1, PROMPT) == 12
+    s = b.get_kv_cache_stats()
+    assert (s.shared_hits, s.shared_errors) == (3 + 2, 1)
+    for w, positions in ((FULL, range(3)), (SWA, range(1, 3))):
+        for d in positions:
+            for got, exp in zip(held_bytes(b, 1, w, d), want[w, d], strict=True):
+                np.testing.assert_array_equal(got, exp)
+    b.check_invariants()
+
+
+def test_a_stalled_server_costs_one_timeout_and_drops_what_does_not_fit(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    b = make(server.url, shared_cache_timeout_ms=50, shared_cache_queue_bytes=1)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert b.add_sequence(1, PROMPT) == 0
+        assert time.monotonic() - start < 5  # a hang guard: the lookup is bounded by 50 ms
+        assert b.get_kv_cache_stats().shared_errors == 1
+        _same_as_without_tier(b, 1)
+        # 14 blocks to write while the store is stalled and the queue holds one: 13 dropped.
+        b.remove_sequence(1)
+        s = b.get_kv_cache_stats()
+        assert (s.shared_write_drops, s.shared_writes) == (13, 0)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def test_bad_shared_cache_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="shared_cache_url must look like redis://"):
+        KvCacheConfig(shared_cache_url="http://x")
+    with pytest.raises(ValueError, match="shared_cache_namespace needs shared_cache_url"):
+        KvCacheConfig(shared_cache_namespace="ns")
+    with pytest.raises(ValueError, match="shared_cache_queue_bytes"):
+        KvCacheConfig(shared_cache_url="redis://h", shared_cache_queue_bytes=-1)
+    with pytest.raises(ValueError, match="shared_cache_url must be a non-empty str or None"):
+        KvCacheConfig(shared_cache_url="")
+    c = KvCacheConfig(shared_cache_url="redis://h:1/2", shared_cache_namespace="n")
+    assert KvCacheConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="shared_cache_timeout_ms"):
+        KvCacheConfig(shared_cache_url="redis://h", shared_cache_timeout_ms=0)
+    with pytest.raises(ValueError, match=r"the port must be an integer in 1\.\.65535"):
+        make("redis://127.0.0.1:0")
+    with pytest.raises(ValueError, match="needs enable_block_reuse"):
+        make("redis://127.0.0.1:1", enable_block_reuse=False)
+    config = KvCacheConfig(backend="virtual", shared_cache_url="redis://127.0.0.1:1")
+    with pytest.raises(ValueError, match="virtual backend has no KV bytes"):
+        KVCacheManager.from_blocks(MODEL, config, {64: (4, 0)}, max_seq_len=64, max_batch_size=1)
+    named = make("redis://127.0.0.1:1", shared_cache_namespace="fleet-a")
+    assert named.shared_cache_namespace == "fleet-a"
+    assert make(None).shared_cache_namespace == ""
+
+
+def test_a_longer_hit_that_would_not_fit_is_left_out(server: Server) -> None:
+    a = make(server.url)
+    compute_and_store(a)
+    b = make(server.url, blocks={SWA: (16, 0), FULL: (16, 0)})
+    # Another request holds 12 of each window's 16 blocks: 4 are free.
+    assert b.add_sequence(9, list(range(1000, 1048))) == 0
+    assert b.get_num_free_blocks(FULL) == 4
+    # In 4-token chunks, the store's 7 blocks would need 8 blocks at once (the hit and the
+    # first chunk); without them the first chunk needs 1. The call takes the miss.
+    assert b.add_sequence(1, PROMPT, prefill=4) == 0
+    assert [len([x for x in b.get_cache_block_ids(1, w) if x >= 0]) for w in (SWA, FULL)] == [1, 1]
+    assert b.get_kv_cache_stats().shared_hits == 0
+    b.check_invariants()
+
+
+def test_clear_shared_cache_deletes_one_namespace(server: Server) -> None:
+    from kvcache.shared_cache import clear_shared_cache, shared_cache_keys
+
+    a = make(server.url)
+    compute_and_store(a)
+    server.client().set("other:key", b"x")
+    assert clear_shared_cache(server.url, a.shared_cache_namespace) == 14
+    assert shared_cache_keys(server.url, a.shared_cache_namespace) == []
+    assert server.client().get("other:key") == b"x"
+    with pytest.raises(ValueError, match="namespace must be a non-empty str"):
+        shared_cache_keys(server.url, "")
+    with pytest.raises(ValueError, match="url must look like redis://"):
+        clear_shared_cache("http://x", "ns")
+
+
+class StallingStore:
+    """A fake Redis: answers EXISTS from `values`, then the first `answered` GETs, and then
+    nothing more (a store that became slow mid-reply)."""
+
+    def __init__(self, values: dict[bytes, bytes], answered: int) -> None:
+        import threading
+
+        self.values = values
+        self.answered = answered
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        buf = b""
+        gets = 0
+        while True:
+            try:
+                data = conn.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            while True:
+                command, buf = _parse_command(buf)
+                if command is None:
+                    break
+                name, key = command[0].upper(), command[1]
+                if name == b"EXISTS":
+                    conn.sendall(b":1\r\n" if key in self.values else b":0\r\n")
+                elif name == b"GET":
+                    gets += 1
+                    if gets <= self.answered:
+                        v = self.values[key]
+                        conn.sendall(b"$%d\r\n%s\r\n" % (len(v), v))
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def _parse_command(buf: bytes) -> tuple[list[bytes] | None, bytes]:
+    """One RESP array of bulk strings from the front of `buf`, or None if incomplete."""
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None, buf
+    count, pos, out = int(buf[1:end]), end + 2, []
+    for _ in range(count):
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return None, buf
+        length = int(buf[pos + 1 : end])
+        if len(buf) < end + 2 + length + 2:
+            return None, buf
+        out.append(buf[end + 2 : end + 2 + length])
+        pos = end + 2 + length + 2
+    return out, buf[pos:]
+
+
+def test_a_store_that_stalls_mid_reply_serves_the_prefix_that_came_back(server: Server) -> None:
+    full_only = {"model": MODEL, "blocks": {FULL: (16, 0)}, "max_attention_window": None}
+    a = make(server.url, **full_only)  # type: ignore[arg-type]
+    compute_and_store(a, windows=(FULL,))
+    client = server.client()
+    values = {k: client.get(k) for k in client.keys("*")}
+    assert len(values) == 7
+    store = StallingStore(values, answered=3)
+    try:
+        b = make(store.url, shared_cache_timeout_ms=200, **full_only)  # type: ignore[arg-type]
+        start = time.monotonic()
+        assert b.add_sequence(1, PROMPT) == 12  # blocks 0..2 arrived; 3..6 never did
+        assert time.monotonic() - start < 5  # a hang guard
+        s = b.get_kv_cache_stats()
+        assert (s.shared_hits, s.shared_errors) == (3, 1)
+        b.check_invariants()
+    finally:
+        store.close()
+
+
+def test_another_manager_hits_blocks_a_running_request_stored(server: Server) -> None:
+    a = make(server.url)
+    rng = np.random.default_rng(3)
+    assert a.add_sequence(1, PROMPT) == 0
+    for layer in range(MODEL.num_layers):
+        buf = a.get_buffers(layer)
+        buf[...] = rng.standard_normal(buf.shape).astype(buf.dtype)
+    assert a.store_context_blocks(1) == 7  # request 1 keeps running
+    assert a.flush_shared_cache()
+    b = make(server.url)
+    assert b.add_sequence(5, PROMPT) == 28
+    for d in range(7):
+        want = a.get_cache_block_ids(1, FULL)[d]
+        got = b.get_cache_block_ids(5, FULL)[d]
+        for layer in (1, 3):
+            np.testing.assert_array_equal(b.get_buffers(layer)[got], a.get_buffers(layer)[want])
+    assert a.has_sequence(1)
+
+
+def _expected_kv(tokens: list[int], d: int, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The KV an engine computes for block d of `tokens` in `layer`: a function of the prefix."""
+    seed = hash((tuple(tokens[: (d + 1) * 4]), layer)) & 0xFFFFFFFF
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
+
+
+def test_randomized_managers_sharing_a_store_only_ever_serve_the_right_bytes(
+    server: Server,
+) -> None:
+    rng = np.random.default_rng(11)
+    managers = [make(server.url, blocks={SWA: (10, 0), FULL: (12, 0)}) for _ in range(3)]
+    stems = [list(rng.integers(0, 50, size=16)) for _ in range(3)]
+    live: list[tuple[int, int, list[int]]] = []  # (manager, request, tokens)
+    next_id = 0
+    for _ in range(60):
+        if live and (len(live) >= 3 or rng.random() < 0.4):
+            i, rid, _tokens = live.pop(int(rng.integers(len(live))))
+            managers[i].remove_sequence(rid)
+            managers[i].flush_shared_cache(timeout_ms=10_000)
+            continue
+        i = int(rng.integers(3))
+        m = managers[i]
+        tokens = [int(t) for t in stems[int(rng.integers(3))][: int(rng.integers(5, 17))]]
+        tokens += [int(t) for t in rng.integers(0, 50, size=int(rng.integers(1, 12)))]
+        try:
+            reused = m.add_sequence(next_id, tokens)
+        except Exception:  # a full pool: the request waits (nothing changed)
+            m.check_invariants()
+            continue
+        shape = m.get_buffers(0).shape[1:]
+        n_blocks = (len(tokens) + 3) // 4
+        for w in (SWA, FULL):
+            ids = m.get_cache_block_ids(next_id, w)
+            for d in range(n_blocks):
+                if ids[d] < 0:
+                    continue
+                for layer in [x for x in range(4) if window_of(x) == w]:
+                    buf = m.get_buffers(layer)
+                    want = _expected_kv(tokens, d, layer, shape)
+                    if d < reused // 4:  # reused: locally or from the store, the exact bytes
+                        np.testing.assert_array_equal(buf[ids[d]], want)
+                    else:  # computed now
+                        buf[ids[d]] = want
+        m.check_invariants()
+        live.append((i, next_id, tokens))
+        next_id += 1
+    stats = [m.get_kv_cache_stats() for m in managers]
+    assert sum(s.shared_hits for s in stats) > 0 and sum(s.shared_errors for s in stats) == 0
+    assert sum(s.reused_blocks for s in stats) > sum(s.shared_hits for s in stats)  # local hits too
