@@ -236,13 +236,17 @@ class KVCacheManager:
     def copy_block_offsets(
         self, out: typing.Any, request_ids: typing.Any, slot_offset: typing.SupportsIndex = 0
     ) -> int: ...
-    def fits_when_empty(self, blocks: dict) -> bool:
+    def fits_when_empty(self, blocks: typing.Any) -> bool:
         """
         Whether an empty manager could hold blocks[window] blocks of every window at once.
         """
     def flush_shared_cache(self, timeout_ms: typing.SupportsIndex = 1000) -> bool:
         """
         Waits up to timeout_ms until every block queued for the shared tier was written (or failed); True if the queue drained (always True without a shared tier).
+        """
+    def fork_sequence(self, parent_id: typing.SupportsIndex, child_ids: typing.Any) -> None:
+        """
+        Registers each child id (one id or a list) as a copy of request parent_id that shares every block the parent holds, in every window (no block is taken, nothing is copied). The first write into a shared block (add_tokens, prefill, rewind into it) copies that block first. Unknown parent: KeyError; a child id that is registered, repeated or the parent: ValueError. All or nothing.
         """
     def get_blocks_to_run_alone(
         self,
@@ -263,6 +267,12 @@ class KVCacheManager:
     ) -> list[int]:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
+        """
+    def get_forked_beam_blocks(
+        self, fork_tokens: typing.SupportsIndex, final_tokens: typing.SupportsIndex
+    ) -> list[int]:
+        """
+        Per window: the most free blocks one more beam forked from a sequence of fork_tokens tokens takes before it holds final_tokens tokens (its copy of the shared partial block and its own new blocks).
         """
     def get_num_free_blocks(self, window_size: typing.SupportsIndex | None = None) -> int:
         """
@@ -456,6 +466,19 @@ class CapacityScheduler:
         """
         Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager.
         """
+
+def _block_hashes(
+    tokens: typing.Any,
+    tokens_per_block: typing.SupportsIndex,
+    lora_task_id: typing.SupportsIndex | None = None,
+    cache_salt: typing.SupportsIndex | None = None,
+    multimodal: collections.abc.Sequence[
+        tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
+    ] = [],
+) -> list[int]:
+    """
+    Chained block keys of the full blocks of `tokens` (the core's ChainHashes).
+    """
 
 def blocks_to_run_alone(
     prompt_len: typing.SupportsIndex,
