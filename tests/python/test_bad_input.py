@@ -590,6 +590,19 @@ BAD_CALLS: list[Row] = [
         ValueError,
         "fork_tokens must be an int",
     ),
+    # the shared tier (none here: the checks come first)
+    (
+        "flush_shared_cache-negative",
+        lambda m: m.flush_shared_cache(-1),
+        ValueError,
+        "timeout_ms = -1 is out of range",
+    ),
+    (
+        "flush_shared_cache-text",
+        lambda m: m.flush_shared_cache("x"),
+        ValueError,
+        "timeout_ms must be an int, got str",
+    ),
     # pins
     ("pin_blocks-unknown", lambda m: m.pin_blocks(9), KeyError, "unknown request id 9"),
     (
