@@ -165,15 +165,21 @@ bool KVCacheManager::MatchPartialBlock(const TokenId* tokens, std::int32_t key_l
   return true;
 }
 
-/// The stored events of one StoreChain walk: per window, one event per run of consecutive
-/// positions that it linked.
+/// The stored events of one StoreChain walk: per window and lane (the pools, the shared tier),
+/// one event per run of consecutive positions that it linked (or queued for the shared tier).
 class KVCacheManager::StoredEvents {
  public:
   StoredEvents(EventLog* log, std::size_t num_windows)
-      : log_(log), stored_(log != nullptr ? num_windows : 0), last_(log != nullptr ? num_windows : 0, -2) {}
+      : log_(log),
+        num_windows_(num_windows),
+        stored_(log != nullptr ? 2 * num_windows : 0),
+        last_(log != nullptr ? 2 * num_windows : 0, -2) {}
   bool on() const { return log_ != nullptr; }
-  /// `block`, linked at position `d` of window `w` (size `window`) below `parent`.
-  void Add(std::size_t w, WindowSize window, std::int32_t d, const ChainNode& parent, StoredBlock block) {
+  /// `block`, linked at position `d` of window `w` (size `window`) below `parent`; `shared`: the
+  /// block was queued for the shared tier (its own run of events).
+  void Add(std::size_t w, WindowSize window, std::int32_t d, const ChainNode& parent, StoredBlock block,
+           bool shared = false) {
+    if (shared) w += num_windows_;
     if (last_[w] != d - 1) {
       Flush(w);
       stored_[w].kind = EventKind::kStored;
@@ -195,7 +201,8 @@ class KVCacheManager::StoredEvents {
     }
   }
   EventLog* log_;
-  std::vector<KVCacheEvent> stored_;
+  std::size_t num_windows_;
+  std::vector<KVCacheEvent> stored_;  // [lane * num_windows + w]
   std::vector<std::int32_t> last_;  // per window: the position of its last stored block
 };
 
@@ -346,15 +353,21 @@ KVCacheManager::StoredPosition KVCacheManager::StorePosition(const Sequence& seq
       wm.Link(b, here.node);
       out.any = true;
       // To the shared tier too, unless the block came from a hit (it is there or cached).
-      if (shared_ != nullptr && len == tpb_ && d >= seq.reused_tokens / tpb_) WriteShared(w, here.hash, b);
+      const bool to_shared =
+          shared_ != nullptr && len == tpb_ && d >= seq.reused_tokens / tpb_ && WriteShared(w, here.hash, b);
       if (events->on()) {
         const TokenId* t = seq.TokenData() + d * tpb_;
         StoredBlock block;
         block.hash = here.hash;
         block.tokens.assign(t, t + len);
         block.lora_task_id = seq.extras.lora_task_id;
-        block.cache_level = wm.LevelOf(b);
+        block.cache_level = static_cast<int>(wm.LevelOf(b));
         block.priority = wm.Priority(b);
+        if (to_shared) {  // the same block, announced in the shared tier too
+          StoredBlock in_store = block;
+          in_store.cache_level = kSharedStorageLevel;
+          events->Add(w, window_sizes_[w], d, parent, std::move(in_store), true);
+        }
         events->Add(w, window_sizes_[w], d, parent, std::move(block));
       }
     }

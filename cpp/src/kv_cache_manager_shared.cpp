@@ -208,15 +208,16 @@ void KVCacheManager::FillShared(Sequence& seq, std::size_t w, std::int32_t first
   }
 }
 
-void KVCacheManager::WriteShared(std::size_t w, std::uint64_t hash, BlockId b) {
+bool KVCacheManager::WriteShared(std::size_t w, std::uint64_t hash, BlockId b) {
   const WindowBlockManager& wm = *windows_[w];
-  if (!wm.IsPrimary(b)) return;
+  if (!wm.IsPrimary(b)) return false;
   std::string key = shared_->Key(shared_label_[w], hash);
   const std::size_t bytes = wm.BlockBytes();
-  if (!shared_->Reserve(key.size() + kSharedBlockHeader + bytes)) return;  // behind: dropped, counted
+  if (!shared_->Reserve(key.size() + kSharedBlockHeader + bytes)) return false;  // behind: dropped, counted
   shared_buffer_.resize(bytes);
   wm.CopyOut(b, shared_buffer_.data());  // now: the block may be handed out right after this call
   shared_->Push(std::move(key), EncodeSharedBlock(hash, shared_buffer_.data(), bytes));
+  return true;
 }
 
 }  // namespace kvcache

@@ -85,6 +85,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_GPU",
+    "MEDIUM_SHARED_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -104,7 +105,11 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 #: ``medium`` of a block in the disk tier (the name Dynamo's router maps to its disk tier).
 MEDIUM_DISK = "DISK"
-_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+#: ``medium`` of a block queued for the shared tier (vLLM's name for shared storage). Nothing
+#: removes it: the store evicts on its own, so a router's view of it is approximate after a
+#: flush or a store eviction.
+MEDIUM_SHARED_STORAGE = "SHARED_STORAGE"
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED_STORAGE)
 
 #: Replay end marker: -1 as an 8-byte signed big-endian integer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -555,3 +555,60 @@ def test_randomized_managers_sharing_a_store_only_ever_serve_the_right_bytes(
     stats = [m.get_kv_cache_stats() for m in managers]
     assert sum(s.shared_hits for s in stats) > 0 and sum(s.shared_errors for s in stats) == 0
     assert sum(s.reused_blocks for s in stats) > sum(s.shared_hits for s in stats)  # local hits too
+
+
+def test_blocks_queued_for_the_store_are_announced_as_shared_storage(server: Server) -> None:
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from kvcache.events import ZmqEventPublisher
+
+    m = make(server.url, max_attention_window=[FULL, FULL], blocks={FULL: (16, 0)})
+    m.get_latest_events()
+    pub = ZmqEventPublisher(m, "inproc://shared-medium")
+    try:
+        assert m.add_sequence(1, PROMPT) == 0
+        m.remove_sequence(1)
+        raw = [e for e in m.get_latest_events() if e.kind == "stored"]
+        assert [[b["cache_level"] for b in e.data["blocks"]] for e in raw] == [
+            [0] * 8,
+            [3] * FULL_BLOCKS,  # the partial last block is not written to the store
+        ]
+        primary, shared = raw
+        assert shared.data["parent_hash"] == primary.data["parent_hash"] is None
+        for p, s in zip(primary.data["blocks"], shared.data["blocks"], strict=False):
+            assert (s["block_hash"], s["tokens"], s["lora_task_id"]) == (
+                p["block_hash"],
+                p["tokens"],
+                p["lora_task_id"],
+            )
+        events = pub.convert(raw)
+        media = [(type(e).__name__, e.medium, len(e.block_hashes)) for e in events]
+        assert media == [
+            ("BlockStored", "GPU", FULL_BLOCKS),
+            ("BlockStored", "SHARED_STORAGE", FULL_BLOCKS),
+        ]
+        assert events[1].block_hashes == events[0].block_hashes
+        assert m.flush_shared_cache(timeout_ms=10_000)
+    finally:
+        pub.close()
+
+
+def test_a_dropped_write_announces_nothing_in_the_store(server: Server) -> None:
+    m = make(
+        server.url,
+        max_attention_window=[FULL, FULL],
+        blocks={FULL: (16, 0)},
+        shared_cache_queue_bytes=1,
+    )
+    m.get_latest_events()
+    assert m.add_sequence(1, PROMPT) == 0
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        # The store is stalled and the queue holds one block: block 0 is queued, 1..6 dropped.
+        m.remove_sequence(1)
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    stored = [e for e in m.get_latest_events() if e.kind == "stored"]
+    assert [[b["cache_level"] for b in e.data["blocks"]] for e in stored] == [[0] * 8, [3]]
+    assert stored[1].data["blocks"][0]["block_hash"] == stored[0].data["blocks"][0]["block_hash"]
+    assert m.get_kv_cache_stats().shared_write_drops == FULL_BLOCKS - 1

@@ -14,12 +14,15 @@ namespace kvcache {
 
 enum class EventKind : std::uint8_t { kCreated, kStored, kRemoved, kUpdated };
 
+/// cache_level of a block queued for the shared tier (vLLM's medium "SHARED_STORAGE").
+inline constexpr int kSharedStorageLevel = 3;
+
 /// One stored block as reported by a kStored event.
 struct StoredBlock {
   std::uint64_t hash = 0;
   std::vector<TokenId> tokens;
   std::optional<std::int64_t> lora_task_id;
-  int cache_level = 0;  ///< 0 = primary, 1 = secondary.
+  int cache_level = 0;  ///< 0 = primary, 1 = secondary, 2 = disk, kSharedStorageLevel = shared tier.
   int priority = kDefaultPriority;
 };
 

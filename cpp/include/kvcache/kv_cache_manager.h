@@ -669,7 +669,7 @@ class KVCacheManager {
   /// Copies the fetched bytes into `seq`'s fresh blocks at positions [first, last) of window w.
   void FillShared(Sequence& seq, std::size_t w, std::int32_t first, std::int32_t last);
   /// Queues block `b` of window `w` (chained hash `hash`) for the store: its bytes are copied now.
-  void WriteShared(std::size_t w, std::uint64_t hash, BlockId b);
+  bool WriteShared(std::size_t w, std::uint64_t hash, BlockId b);  // true: queued for the store
 
   // ---- Reuse (kv_cache_manager_reuse.cpp).
   /// The reuse plan of a prompt; `prepared` (optional) supplies the block digests and hashes.
