@@ -550,10 +550,15 @@ class KVCacheResourceManager(ResourceEstimates):
         """Checks a batch's generation requests: state, registration and cached length (one
         native call for the lengths)."""
         generation = RequestState.GENERATION
-        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
-        k = int(self._manager._first_length_mismatch(ids, lengths))
-        if k < 0 and [r for r, _ in gen if r.state is not generation]:
-            k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
+        # One pass: the lengths of the requests in generation (all of them, normally).
+        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen if r.state is generation]
+        if len(lengths) == len(gen):
+            k = int(self._manager._first_length_mismatch(ids, lengths))
+        else:  # some request is not in generation: the first length mismatch, else that one
+            lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
+            k = int(self._manager._first_length_mismatch(ids, lengths))
+            if k < 0:
+                k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
         if k >= 0:
             request = gen[k][0]
             if request.state is not generation or request.request_id not in self._running:
