@@ -108,6 +108,26 @@ void BindBlockMath(py::module_& m) {
           "Most blocks a sequence holds in a window from registration to final_tokens tokens, nothing reused.");
 }
 
+/// The index in `all` of each of `ids`. Generation and chunk lists are subsequences of the
+/// running list in its order: one forward pass finds them; anything else (paused requests,
+/// newest first) falls back to a hash index.
+std::vector<std::int32_t> PositionsIn(const std::vector<SeqId>& all, const std::vector<SeqId>& ids) {
+  std::vector<std::int32_t> out(ids.size());
+  std::size_t j = 0;
+  std::size_t i = 0;
+  for (; i < ids.size(); ++i, ++j) {
+    while (j < all.size() && all[j] != ids[i]) ++j;
+    if (j == all.size()) break;
+    out[i] = static_cast<std::int32_t>(j);
+  }
+  if (i == ids.size()) return out;
+  std::unordered_map<SeqId, std::int32_t> index;
+  index.reserve(all.size());
+  for (std::size_t k = 0; k < all.size(); ++k) index.emplace(all[k], static_cast<std::int32_t>(k));
+  for (; i < ids.size(); ++i) out[i] = index.at(ids[i]);
+  return out;
+}
+
 void BindScheduler(py::module_& m) {
   using S = CapacityScheduler;
   py::class_<S> cls(m, "CapacityScheduler", "Native capacity scheduler (see kvcache.scheduler.CapacityScheduler).");
@@ -134,10 +154,13 @@ void BindScheduler(py::module_& m) {
            "Whether a request can never run: longer than max_seq_len or beyond some window's pool.")
       .def(
           "schedule",
-          [](S& self, const std::vector<SeqId>& running, const std::optional<std::vector<std::int32_t>>& finals,
+          [](S& self, const py::handle& running_ids, const std::optional<std::vector<std::int32_t>>& finals,
              const std::optional<std::vector<std::int32_t>>& drafts, const std::vector<SeqId>& candidate_ids,
              const std::vector<std::shared_ptr<PreparedPrompt>>& contexts,
              const std::vector<std::int32_t>& candidate_finals) {
+            // The running ids as the per-step methods read them (a list of ints, or a 1-D array).
+            thread_local std::vector<SeqId> running;
+            ToRequestIds(running_ids, "running", &running);
             if ((finals && finals->size() != running.size()) || (drafts && drafts->size() != running.size())) {
               ThrowInvalid("schedule: running, final_tokens and drafts must pair up");
             }
@@ -151,14 +174,7 @@ void BindScheduler(py::module_& m) {
             StepPlan p = self.Schedule(running.data(), finals ? finals->data() : nullptr, drafts ? drafts->data() : nullptr,
                                        running.size(), candidates.data(), candidates.size());
             // Running requests by their index in `running`: the caller holds them in that order.
-            std::unordered_map<SeqId, std::int32_t> index;
-            index.reserve(running.size());
-            for (std::size_t i = 0; i < running.size(); ++i) index.emplace(running[i], static_cast<std::int32_t>(i));
-            auto positions = [&index](const std::vector<SeqId>& ids) {
-              std::vector<std::int32_t> out(ids.size());
-              for (std::size_t i = 0; i < ids.size(); ++i) out[i] = index.at(ids[i]);
-              return out;
-            };
+            auto positions = [](const std::vector<SeqId>& ids) { return PositionsIn(running, ids); };
             return py::make_tuple(positions(p.generation), p.drafts, positions(p.chunks), p.chunk_sizes, p.admitted,
                                   p.admitted_chunks, positions(p.paused), p.rejected);
           },

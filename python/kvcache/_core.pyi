@@ -454,7 +454,7 @@ class CapacityScheduler:
         """
     def schedule(
         self,
-        running: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        running: typing.Any,
         final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None,
         drafts: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None,
         candidate_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],

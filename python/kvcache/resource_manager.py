@@ -131,6 +131,9 @@ class KVCacheResourceManager(ResourceEstimates):
         self._running: dict[int, Request] = {}  # registered requests (they hold blocks)
         self._forked: set[int] = set()  # requests whose beams were forked (fork_resources)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
+        # What the scheduler knows of the generation entries of the batch it just built (see
+        # _note_generation); prepare_resources uses it only if the entries are unchanged.
+        self._gen_note: _GenerationNote | None = None
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
@@ -304,10 +307,15 @@ class KVCacheResourceManager(ResourceEstimates):
                 rest = request.context_len - request.context_position
                 if chunk > rest:
                     batch.context[k] = (request, rest)
-            gen_ids = [r.request_id for r, _ in gen]
+            note, self._gen_note = self._gen_note, None
+            if note is not None and note[0] is gen and gen == note[1]:  # as scheduled
+                gen_ids = note[2]
+                drafts = self._check_drafts(gen) if note[3] else 0
+            else:
+                gen_ids = [r.request_id for r, _ in gen]
+                drafts = self._check_drafts(gen) if gen else 0
             if next_tokens is None and gen:
                 self._check_generation(gen, gen_ids)
-            drafts = self._check_drafts(gen) if gen else 0
             if prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
@@ -442,6 +450,16 @@ class KVCacheResourceManager(ResourceEstimates):
 
     # ------------------------------------------------------------------ internals
 
+    def _note_generation(
+        self, gen: list[tuple[Request, int]], ids: list[int], most_drafts: int
+    ) -> None:
+        """The scheduler's note on the batch it built: its generation entries (the list and
+        a copy), their request ids and the most draft tokens among them. The next
+        ``prepare_resources`` takes the ids from here instead of reading every request,
+        if that batch's ``generation`` is the same list with the same entries (compared by
+        identity, in C), and checks drafts only if some entry has any."""
+        self._gen_note = (gen, list(gen), ids, most_drafts)
+
     def _forget(self, request: Request) -> None:
         """Drops a request whose sequence the native scheduler removed (a pause)."""
         del self._running[request.request_id]
@@ -532,10 +550,15 @@ class KVCacheResourceManager(ResourceEstimates):
         """Checks a batch's generation requests: state, registration and cached length (one
         native call for the lengths)."""
         generation = RequestState.GENERATION
-        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
-        k = int(self._manager._first_length_mismatch(ids, lengths))
-        if k < 0 and [r for r, _ in gen if r.state is not generation]:
-            k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
+        # One pass: the lengths of the requests in generation (all of them, normally).
+        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen if r.state is generation]
+        if len(lengths) == len(gen):
+            k = int(self._manager._first_length_mismatch(ids, lengths))
+        else:  # some request is not in generation: the first length mismatch, else that one
+            lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
+            k = int(self._manager._first_length_mismatch(ids, lengths))
+            if k < 0:
+                k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
         if k >= 0:
             request = gen[k][0]
             if request.state is not generation or request.request_id not in self._running:
@@ -550,7 +573,7 @@ class KVCacheResourceManager(ResourceEstimates):
 
     def _check_drafts(self, gen: Sequence[tuple[Request, int]]) -> int:
         """Checks the draft counts of a batch's generation requests; returns the most."""
-        most = max(d for _, d in gen)
+        most = max([d for _, d in gen])
         for request, num_draft in gen if most else ():
             limit = self.num_draft_tokens_for(request)
             if num_draft > limit:
@@ -575,6 +598,10 @@ class KVCacheResourceManager(ResourceEstimates):
             request.state = RequestState.WAITING if request.num_pauses == 0 else RequestState.PAUSED
             request.reused_tokens = 0
             request.context_position = 0
+
+
+#: (the batch's generation list, a copy of its entries, their request ids, the most drafts).
+_GenerationNote = tuple[list[tuple[Request, int]], list[tuple[Request, int]], list[int], int]
 
 
 def _primary(value: Any) -> int:

@@ -254,34 +254,39 @@ class CapacityScheduler:
         if requests is None:
             running = self._indexed()
             candidates, rejected, scanned = self._head_candidates(len(running))
-            out = self._decide(running, candidates, rejected, self._queue)
+            out = self._decide(running, None, candidates, rejected, self._queue)
             self._reindex(out, scanned)
             return out
-        running, candidates, rejected = self._scan(requests)
-        return self._decide(running, candidates, rejected, requests)
+        running, ids, candidates, rejected = self._scan(requests)
+        return self._decide(running, ids, candidates, rejected, requests)
 
     # ------------------------------------------------------------------ internals
 
     def _scan(
         self, requests: Sequence[Request]
-    ) -> tuple[list[Request], list[Request], list[Request]]:
-        """The list form's running requests (registered, in the list's order) and admission
-        candidates (the first waiting requests that can fit, as many as the batch has room
-        for), and the waiting requests before them that never fit (now ``FAILED``). Stops as
-        soon as every registered request was seen and the candidates are complete, so the
-        waiting requests behind them cost nothing."""
+    ) -> tuple[list[Request], list[int] | None, list[Request], list[Request]]:
+        """The list form's running requests (registered, in the list's order), their ids when
+        read on the way (else ``None``), admission candidates (the first waiting requests
+        that can fit, as many as the batch has room for), and the waiting requests before
+        them that never fit (now ``FAILED``). Stops as soon as every registered request was
+        seen and the candidates are complete, so the waiting requests behind them cost
+        nothing."""
         registered = self._rm._running
         unseen = len(registered)
         most = self._max_batch
         running: list[Request] = []
         candidates: list[Request] = []
         rejected: list[Request] = []
+        ids: list[int] | None = None
         start = 0
         head = requests[:unseen]
-        if len(head) == unseen and all(map(registered.__contains__, map(_request_id, head))):
+        head_ids = [r.request_id for r in head]
+        if len(head) == unseen and all(map(registered.__contains__, head_ids)):
             # The usual order: the registered requests first.
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
             running = [r for r in head if (state := r.state) is gen or state is ctx]
+            if len(running) == unseen:  # all of them run: their ids are the ones just read
+                ids = head_ids
             start, unseen = unseen, 0
         for r in itertools.islice(requests, start, None):
             if r.request_id in registered:
@@ -292,7 +297,9 @@ class CapacityScheduler:
                 candidates.append(r)
             if unseen == 0 and len(candidates) >= most - len(running):
                 break
-        return running, candidates[: max(0, most - len(running))], rejected
+        if len(running) != len(head):
+            ids = None  # running requests came after the head: read their ids again
+        return running, ids, candidates[: max(0, most - len(running))], rejected
 
     def _head_candidates(self, num_running: int) -> tuple[list[Request], list[Request], int]:
         """The index form's admission candidates: the queue's first waiting requests, as many
@@ -325,20 +332,23 @@ class CapacityScheduler:
     def _decide(
         self,
         running: list[Request],
+        ids: list[int] | None,
         candidates: list[Request],
         rejected: list[Request],
         source: Iterable[Request],
     ) -> SchedulerOutput:
-        """Asks the native scheduler about the running requests and the admission candidates
-        (in order); ``rejected`` never fit; ``source`` is what the lazily built ``waiting``
-        output comes from."""
+        """Asks the native scheduler about the running requests (``ids``: their request ids,
+        if already read) and the admission candidates (in order); ``rejected`` never fit;
+        ``source`` is what the lazily built ``waiting`` output comes from."""
         rm = self._rm
         out = SchedulerOutput()
         out._waiting_source = source
         out.rejected.extend(rejected)
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
+        if ids is None:
+            ids = [r.request_id for r in running]
         gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
-            [r.request_id for r in running],
+            ids,
             None,
             drafts,
             [r.request_id for r in candidates],
@@ -354,8 +364,11 @@ class CapacityScheduler:
         batch = out.batch
         if len(gen) == len(running):  # every running request decodes (indices 0..n-1)
             batch.generation = list(zip(running, ndraft, strict=True))
+            gen_ids = ids
         else:
             batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
+            gen_ids = [ids[i] for i in gen]
+        rm._note_generation(batch.generation, gen_ids, max(ndraft, default=0))
         batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]

@@ -687,3 +687,34 @@ def test_index_form_requeues_an_admission_whose_prepare_failed() -> None:
     failed = Request(1, prompt=[1] * 100, max_new_tokens=2)  # never fits: rejected at the head
     sched.add_request(failed)
     assert ids(sched.schedule().rejected) == [1]
+
+
+def test_prepare_reads_an_edited_generation_list_not_the_schedulers_note() -> None:
+    """The scheduler hands prepare_resources the ids of the generation entries it built, used
+    only while the batch's entries are unchanged: after an engine drops or swaps an entry,
+    prepare appends tokens to exactly the requests the batch names."""
+    rm = make_rm({8: 16, 64: 16})
+    sched = CapacityScheduler(rm, "guaranteed_no_evict")
+    reqs = [Request(i, prompt=[i + 1] * 5, max_new_tokens=6) for i in range(3)]
+    out = sched.schedule(reqs)
+    assert ids(out.batch.context_requests) == [0, 1, 2]
+    rm.prepare_resources(out.batch)
+    for r in reqs:
+        r.append_tokens([50 + r.request_id])
+    rm.update_resources(out.batch)
+
+    out = sched.schedule(reqs)  # all three decode
+    assert [(r.request_id, d) for r, d in out.batch.generation] == [(0, 0), (1, 0), (2, 0)]
+    del out.batch.generation[1]  # the engine skips request 1 in this step
+    rm.prepare_resources(out.batch)
+    assert [int(rm.manager.num_tokens(i)) for i in range(3)] == [6, 5, 6]
+    for r in (reqs[0], reqs[2]):
+        r.append_tokens([60 + r.request_id])
+    rm.update_resources(out.batch)
+
+    out = sched.schedule(reqs)
+    assert ids(out.batch.generation_requests) == [0, 1, 2]
+    out.batch.generation[0] = (reqs[1], 0)  # an entry replaced: request 1 twice, 0 never
+    with pytest.raises(ValueError, match="request id 1 appears twice in one add_tokens call"):
+        rm.prepare_resources(out.batch)
+    assert [int(rm.manager.num_tokens(i)) for i in range(3)] == [6, 5, 6]  # nothing changed
