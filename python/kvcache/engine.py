@@ -708,7 +708,14 @@ class Engine:
         logits: dict[int, torch.Tensor],
         forks: _Forks | None = None,
     ) -> None:
+        before = {r.request_id: r.state for r in active} if forks is not None else {}
         out = self._scheduler.schedule(active)
+        if out.rejected and forks is not None and forks.pause_newest():
+            # Beams waiting for their family held the blocks the scheduler did not see (they
+            # are not in its list): every prompt fit the empty pools when generate began.
+            for r in out.rejected:
+                r.state = before[r.request_id]
+            return
         if out.rejected:
             r = out.rejected[0]
             raise RuntimeError(
@@ -717,6 +724,13 @@ class Engine:
         self._counters["preemptions"] += len(out.paused)
         batch = out.batch if forks is None else forks.pause_families(out.paused, out.batch)
         if len(batch) == 0:
+            if forks is not None and forks.pause_newest():
+                return  # a family waiting for its beams gave its blocks back: schedule again
+            if forks is not None and out.paused:
+                raise RuntimeError(
+                    "the beams of a request do not fit the KV pools together (the scheduler "
+                    "paused them with nothing else running); give more blocks or fewer beams"
+                )
             raise RuntimeError("no request can run: the KV pools are too small for any of them")
         new = [r for r, _ in batch.context if not self._rm.has_request(r)]
         try:
@@ -867,8 +881,12 @@ class _Forks:
         self.active: list[Request] = list(roots)
 
     def runnable(self) -> list[Request]:
-        """The active requests the scheduler may step (not beams waiting for their family)."""
-        return [r for r in self.active if r.request_id not in self._owner[r.request_id].pending]
+        """The active requests the scheduler may step (not beams waiting for their family),
+        family by family in prompt order: a family's paused beams resume before later
+        prompts are admitted."""
+        owner = self._owner
+        ready = [r for r in self.active if r.request_id not in owner[r.request_id].pending]
+        return sorted(ready, key=lambda r: owner[r.request_id].index)  # families by arrival
 
     def pause_families(self, paused: list[Request], batch: ScheduledBatch) -> ScheduledBatch:
         """Pauses every beam of a family one of whose beams the scheduler paused; returns the
@@ -876,17 +894,9 @@ class _Forks:
         hit = {id(self._owner[r.request_id]) for r in paused if self._owner[r.request_id].beam}
         if not hit:
             return batch
-        rm = self._engine._rm
         out = ScheduledBatch()
         for fam in (f for f in self.families if id(f) in hit):
-            for r in self._live(fam):
-                if rm.has_request(r):
-                    rm.free_resources(r, store_for_reuse=True)
-                    r.state = RequestState.PAUSED
-                    self._engine._counters["preemptions"] += 1
-                fam.pending.pop(r.request_id, None)
-                if r.generated and r.request_id not in fam.stash:
-                    fam.stash[r.request_id] = r.generated.pop()
+            self._pause(fam)
         for r, chunk in batch.context:
             if id(self._owner[r.request_id]) not in hit:
                 out.add_context(r, chunk)
@@ -894,6 +904,29 @@ class _Forks:
             if id(self._owner[r.request_id]) not in hit:
                 out.add_generation(r, drafts)
         return out
+
+    def pause_newest(self) -> bool:
+        """Nothing could run: pauses the newest beam family that holds blocks (its beams
+        waiting for siblings that cannot resume). False if none holds any."""
+        rm = self._engine._rm
+        for fam in reversed(self.families):
+            if fam.beam is not None and any(rm.has_request(r) for r in self._live(fam)):
+                self._pause(fam)
+                return True
+        return False
+
+    def _pause(self, fam: _Family) -> None:
+        """Frees every beam of the family (blocks stored for reuse); each gives back its
+        newest token, whose KV was not written, to take it again when its context is done."""
+        rm = self._engine._rm
+        for r in self._live(fam):
+            if rm.has_request(r):
+                rm.free_resources(r, store_for_reuse=True)
+                r.state = RequestState.PAUSED
+                self._engine._counters["preemptions"] += 1
+            fam.pending.pop(r.request_id, None)
+            if r.generated and r.request_id not in fam.stash:
+                fam.stash[r.request_id] = r.generated.pop()
 
     def choose(self, sampled: list[Request], logits: torch.Tensor) -> list[Callable[[], None]]:
         """Appends the step's tokens; returns the forks and frees to run after the step."""
