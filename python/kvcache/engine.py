@@ -35,16 +35,22 @@ import contextvars
 import dataclasses
 import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvcache._core import OutOfBlocksError
+from kvcache.beam_search import BeamState
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.manager import KVCacheManager, KvCacheStats
-from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
+from kvcache.resource_manager import (
+    KVCacheResourceManager,
+    Request,
+    RequestState,
+    ScheduledBatch,
+)
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
 from kvcache.sizing import parse_size
 from kvcache.torch import block_tables, layer_kv, paged_attention, write_kv
@@ -350,12 +356,22 @@ class GenerationResult:
     """Output of :meth:`Engine.generate_detailed`, in prompt order.
 
     Attributes:
-        tokens: Generated token ids per prompt.
-        last_logits: Per prompt, the logits (``[vocab]``, fp32, CPU) that chose its last token.
+        tokens: Generated token ids per prompt (beam search: the best beam; ``n > 1``: the
+            first sample).
+        last_logits: Per prompt, the logits (``[vocab]``, fp32, CPU) that chose its last token
+            (greedy only; empty for beam search and ``n > 1``).
+        sequences: Per prompt, every output: the ``num_beams`` finished beams best first, the
+            ``n`` samples in order, or the greedy output alone.
+        scores: Per prompt, the score of each of ``sequences``: a beam's
+            ``sum of log-probabilities / length ** length_penalty`` (Hugging Face's
+            ``sequences_scores``), a sample's summed log-probability (of the temperature-scaled
+            distribution it was drawn from); empty for greedy.
     """
 
     tokens: list[list[int]]
     last_logits: list[torch.Tensor] = field(default_factory=list)
+    sequences: list[list[list[int]]] = field(default_factory=list)
+    scores: list[list[float]] = field(default_factory=list)
 
 
 class Engine:
@@ -480,8 +496,24 @@ class Engine:
         """The scheduler that picks each step's batch."""
         return self._scheduler
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generation of ``max_new_tokens`` tokens per prompt, outputs in prompt order.
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ) -> list[list[int]]:
+        """Generation of up to ``max_new_tokens`` tokens per prompt, outputs in prompt order.
+
+        ``num_beams=1``: greedy, exactly ``max_new_tokens`` tokens (no EOS stop). ``num_beams
+        = k > 1``: beam search with Hugging Face ``generate``'s rules (``do_sample=False``,
+        the model's ``generation_config.eos_token_id`` ends a beam, ``length_penalty``,
+        ``early_stopping`` ``True`` / ``False`` / ``"never"``); returns each prompt's best
+        beam (which may end early with an EOS). The beams are forks of the prompt's sequence
+        (``fork_resources``): they share its blocks, reorder each step by forking and freeing
+        sequences, and step together in one ``add_tokens`` call.
 
         Every prompt is checked before anything runs: tokens must be ints (a float, a
         string or a bool is refused, not converted) in ``[0, vocab)``.
@@ -489,15 +521,51 @@ class Engine:
         Raises:
             ValueError: An empty prompt, a token that is not an int or lies outside the
                 vocabulary, a sequence longer than ``max_seq_len``, ``max_new_tokens`` below 1
-                or above ``max_seq_len``, a request that can never fit the pools.
+                or above ``max_seq_len``, a request that can never fit the pools, a bad
+                ``num_beams`` / ``length_penalty`` / ``early_stopping``.
         """
-        return self.generate_detailed(prompts, max_new_tokens).tokens
+        return self.generate_detailed(
+            prompts,
+            max_new_tokens,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        ).tokens
 
     def generate_detailed(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        n: int = 1,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
     ) -> GenerationResult:
-        """:meth:`generate`, plus the logits that chose each request's last token."""
-        requests = self._requests(prompts, max_new_tokens)
+        """:meth:`generate` with every output and score (:class:`GenerationResult`).
+
+        ``n = k > 1``: parallel sampling instead: ``k`` sequences per prompt drawn from
+        ``softmax(logits / temperature)`` with ``torch.multinomial(generator=generator)``
+        (seed the generator for repeatable samples), each exactly ``max_new_tokens`` long.
+        The prompt is prefilled once; its sequence is forked into the ``k`` samples after
+        its first token, so they share the prompt's blocks. Greedy (both 1) also returns the
+        logits that chose each request's last token.
+
+        Raises:
+            ValueError: As :meth:`generate`; ``n`` below 1, ``n`` and ``num_beams`` both above
+                1, ``temperature`` not positive.
+        """
+        self._check_fork_args(num_beams, n, length_penalty, early_stopping, temperature)
+        requests = self._requests(prompts, max_new_tokens, num_beams=num_beams, n=n)
+        if num_beams > 1 or n > 1:
+            eos = self._model.generation_config.eos_token_id
+            eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            forks = _Forks(self, requests, num_beams=num_beams, n=n, eos=eos_ids,
+                           length_penalty=length_penalty, early_stopping=early_stopping,
+                           generator=generator, temperature=temperature)  # fmt: skip
+            return self._run_forks(forks)
         logits: dict[int, torch.Tensor] = {}
         start = time.perf_counter()
         active = list(requests)
@@ -517,7 +585,39 @@ class Engine:
         return GenerationResult(
             tokens=[list(r.generated) for r in requests],
             last_logits=[logits[r.request_id] for r in requests],
+            sequences=[[list(r.generated)] for r in requests],
+            scores=[[] for _ in requests],
         )
+
+    def _run_forks(self, forks: _Forks) -> GenerationResult:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                while forks.active:
+                    self._step(forks.runnable(), {}, forks)
+        finally:
+            forks.release()
+            self._seconds += time.perf_counter() - start
+        return forks.result()
+
+    @staticmethod
+    def _check_fork_args(
+        num_beams: int, n: int, length_penalty: float, early_stopping: bool | str,
+        temperature: float,
+    ) -> None:  # fmt: skip
+        for name, value in (("num_beams", num_beams), ("n", n)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if num_beams > 1 and n > 1:
+            raise ValueError(f"num_beams ({num_beams}) and n ({n}) cannot both exceed 1")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+            raise ValueError(f"length_penalty must be a float, got {length_penalty!r}")
+        if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {early_stopping!r}"
+            )
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
     def stats(self) -> EngineStats:
         """Engine counters and the manager's (reuse, offload, occupancy)."""
@@ -538,7 +638,14 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Request]:
+    def _requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        num_beams: int = 1,
+        n: int = 1,
+    ) -> list[Request]:
         """The requests of one ``generate`` call, every input checked before any runs."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
@@ -560,7 +667,7 @@ class Engine:
                     f"prompt {i}: {len(tokens)} tokens + {max_new_tokens} new exceed "
                     f"max_seq_len={limit}"
                 )
-            r = Request(self._next_id + i, tokens, max_new_tokens)
+            r = Request(self._next_id + i, tokens, max_new_tokens, num_beams=num_beams, n=n)
             need = self._rm.get_blocks_to_run_alone(r, chunk_size=self._scheduler.max_chunk_size)
             if not self._rm.fits_when_empty(need):
                 pools = ", ".join(f"window {w}: {self._primary[w]}" for w in self._windows)
@@ -595,16 +702,35 @@ class Engine:
             )
         return tokens
 
-    def _step(self, active: list[Request], logits: dict[int, torch.Tensor]) -> None:
+    def _step(
+        self,
+        active: list[Request],
+        logits: dict[int, torch.Tensor],
+        forks: _Forks | None = None,
+    ) -> None:
+        before = {r.request_id: r.state for r in active} if forks is not None else {}
         out = self._scheduler.schedule(active)
+        if out.rejected and forks is not None and forks.pause_newest():
+            # Beams waiting for their family held the blocks the scheduler did not see (they
+            # are not in its list): every prompt fit the empty pools when generate began.
+            for r in out.rejected:
+                r.state = before[r.request_id]
+            return
         if out.rejected:
             r = out.rejected[0]
             raise RuntimeError(
                 f"request {r.request_id} ({r.context_len} tokens) can never fit the KV pools"
             )
         self._counters["preemptions"] += len(out.paused)
-        batch = out.batch
+        batch = out.batch if forks is None else forks.pause_families(out.paused, out.batch)
         if len(batch) == 0:
+            if forks is not None and forks.pause_newest():
+                return  # a family waiting for its beams gave its blocks back: schedule again
+            if forks is not None and out.paused:
+                raise RuntimeError(
+                    "the beams of a request do not fit the KV pools together (the scheduler "
+                    "paused them with nothing else running); give more blocks or fewer beams"
+                )
             raise RuntimeError("no request can run: the KV pools are too small for any of them")
         new = [r for r, _ in batch.context if not self._rm.has_request(r)]
         try:
@@ -673,13 +799,275 @@ class Engine:
             config._attn_implementation = previous
             _CURRENT.reset(token)
         step_logits = output.logits[0].float()
-        chosen = step_logits.argmax(dim=-1).tolist()
-        for (r, _), tok, row_logits in zip(sample, chosen, step_logits, strict=True):
-            r.append_tokens([int(tok)])
-            logits[r.request_id] = row_logits.cpu()
+        after: list[Callable[[], None]] = []
+        if forks is None:
+            chosen = step_logits.argmax(dim=-1).tolist()
+            for (r, _), tok, row_logits in zip(sample, chosen, step_logits, strict=True):
+                r.append_tokens([int(tok)])
+                logits[r.request_id] = row_logits.cpu()
+        else:
+            after = forks.choose([r for r, _ in sample], step_logits.cpu())
         self._rm.update_resources(batch)
+        for action in after:  # forks and frees, once the step's tokens are recorded
+            action()
         # Once per step: expired priorities, and (lend_free_memory) memory moved between steps.
         self._manager.refresh_blocks()
         self._counters["steps"] += 1
         self._counters["computed_tokens"] += len(tokens)
-        self._counters["generated_tokens"] += len(sample)
+        if forks is None:
+            self._counters["generated_tokens"] += len(sample)
+
+
+# --------------------------------------------------------------------------------------
+# Beam search and parallel sampling: families of forked sequences
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Family:
+    """One prompt's sequences: its beams (beam search) or samples (``n > 1``)."""
+
+    index: int
+    root: Request
+    beam: BeamState | None  # beam search; None: n samples
+    n: int
+    rows: list[Request]  # beam: the request of each running beam (repeats until forked)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # beam: logits waiting
+    stash: dict[int, int] = field(default_factory=dict)  # beam: newest token of a paused beam
+    samples: list[Request] = field(default_factory=list)  # n: the samples, in order
+    logprob: dict[int, float] = field(default_factory=dict)  # n: summed log-probability
+    done: bool = False
+
+
+class _Forks:
+    """The families of one :meth:`Engine.generate_detailed` call with ``num_beams`` or ``n``
+    above 1: picks each step's tokens and forks and frees the sequences.
+
+    A beam family is one scheduling unit: when the scheduler pauses one beam, the engine
+    pauses all of them (freeing their blocks, stored for reuse), and a beam whose logits
+    arrived waits (leaves the scheduler's list) until every beam of its family has its
+    logits, so the family always scores one step of all its beams together. A paused beam
+    gives back its newest token (its KV was not written yet); it resumes as a context request
+    of its prompt and the tokens before it (reusing the cached prefix), and its last chunk
+    takes that token back instead of a sampled one.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        roots: list[Request],
+        *,
+        num_beams: int,
+        n: int,
+        eos: Sequence[int],
+        length_penalty: float,
+        early_stopping: bool | str,
+        generator: torch.Generator | None,
+        temperature: float,
+    ) -> None:
+        self._engine = engine
+        self._generator = generator
+        self._temperature = temperature
+        self.families: list[_Family] = []
+        self._owner: dict[int, _Family] = {}
+        for i, root in enumerate(roots):
+            beam = None
+            if num_beams > 1:
+                beam = BeamState(num_beams, root.max_new_tokens, eos, length_penalty,
+                                 early_stopping)  # fmt: skip
+            fam = _Family(i, root, beam, n, [root] * num_beams)
+            self.families.append(fam)
+            self._owner[root.request_id] = fam
+        self.active: list[Request] = list(roots)
+
+    def runnable(self) -> list[Request]:
+        """The active requests the scheduler may step (not beams waiting for their family),
+        family by family in prompt order: a family's paused beams resume before later
+        prompts are admitted."""
+        owner = self._owner
+        ready = [r for r in self.active if r.request_id not in owner[r.request_id].pending]
+        return sorted(ready, key=lambda r: owner[r.request_id].index)  # families by arrival
+
+    def pause_families(self, paused: list[Request], batch: ScheduledBatch) -> ScheduledBatch:
+        """Pauses every beam of a family one of whose beams the scheduler paused; returns the
+        batch without them."""
+        hit = {id(self._owner[r.request_id]) for r in paused if self._owner[r.request_id].beam}
+        if not hit:
+            return batch
+        out = ScheduledBatch()
+        for fam in (f for f in self.families if id(f) in hit):
+            self._pause(fam)
+        for r, chunk in batch.context:
+            if id(self._owner[r.request_id]) not in hit:
+                out.add_context(r, chunk)
+        for r, drafts in batch.generation:
+            if id(self._owner[r.request_id]) not in hit:
+                out.add_generation(r, drafts)
+        return out
+
+    def pause_newest(self) -> bool:
+        """Nothing could run: pauses the newest beam family that holds blocks (its beams
+        waiting for siblings that cannot resume). False if none holds any."""
+        rm = self._engine._rm
+        for fam in reversed(self.families):
+            if fam.beam is not None and any(rm.has_request(r) for r in self._live(fam)):
+                self._pause(fam)
+                return True
+        return False
+
+    def _pause(self, fam: _Family) -> None:
+        """Frees every beam of the family (blocks stored for reuse); each gives back its
+        newest token, whose KV was not written, to take it again when its context is done."""
+        rm = self._engine._rm
+        for r in self._live(fam):
+            if rm.has_request(r):
+                rm.free_resources(r, store_for_reuse=True)
+                r.state = RequestState.PAUSED
+                self._engine._counters["preemptions"] += 1
+            fam.pending.pop(r.request_id, None)
+            if r.generated and r.request_id not in fam.stash:
+                fam.stash[r.request_id] = r.generated.pop()
+
+    def choose(self, sampled: list[Request], logits: torch.Tensor) -> list[Callable[[], None]]:
+        """Appends the step's tokens; returns the forks and frees to run after the step."""
+        after: list[Callable[[], None]] = []
+        ready: list[_Family] = []
+        for r, row in zip(sampled, logits, strict=True):
+            fam = self._owner[r.request_id]
+            if fam.beam is None:
+                after += self._sample(fam, r, row)
+            elif r.request_id in fam.stash:  # a resumed beam caught up: its token back
+                r.append_tokens([fam.stash.pop(r.request_id)])
+            else:
+                fam.pending[r.request_id] = row
+                if all(b.request_id in fam.pending for b in self._live(fam)):
+                    ready.append(fam)
+        for fam in ready:
+            after.append(self._beam_step(fam))
+        return after
+
+    # ------------------------------------------------------------------ internals
+
+    def _live(self, fam: _Family) -> list[Request]:
+        """The family's distinct sequences, in row order."""
+        seen: dict[int, Request] = {}
+        for r in fam.rows if fam.beam is not None else fam.samples or [fam.root]:
+            seen.setdefault(r.request_id, r)
+        return list(seen.values())
+
+    def _child(self, parent: Request, token: int) -> Request:
+        engine = self._engine
+        child = Request(engine._next_id, list(parent.prompt), parent.max_new_tokens,
+                        generated=[*parent.generated[:-1], token])  # fmt: skip
+        engine._next_id += 1
+        return child
+
+    def _beam_step(self, fam: _Family) -> Callable[[], None]:
+        """Scores a family whose beams all have their logits; records each kept beam's
+        token now, and returns the frees and forks that reorder the beams."""
+        assert fam.beam is not None
+        rows = torch.stack([fam.pending[r.request_id] for r in fam.rows])
+        fam.pending.clear()
+        decided = fam.beam.step(rows)
+        self._engine._counters["generated_tokens"] += len(fam.rows)
+        kept: dict[int, Request] = {}
+        forks: dict[int, list[Request]] = {}
+        new_rows: list[Request] = []
+        for parent_row, token in zip(decided.parents, decided.tokens, strict=True):
+            parent = fam.rows[parent_row]
+            pid = parent.request_id
+            if pid not in kept:
+                kept[pid] = parent
+                parent.append_tokens([token])
+                new_rows.append(parent)
+            else:
+                child = self._child(parent, token)
+                forks.setdefault(pid, []).append(child)
+                new_rows.append(child)
+        pruned = [r for r in self._live(fam) if r.request_id not in kept]
+        fam.rows = new_rows
+
+        def reorder() -> None:
+            rm = self._engine._rm
+            for r in pruned:  # first: their blocks serve the forks' copies
+                rm.free_resources(r, store_for_reuse=False)
+                self.active.remove(r)
+            if decided.done:
+                self._end(fam)
+                return
+            for pid, children in forks.items():
+                rm.fork_resources(kept[pid], children)
+                for c in children:
+                    self._owner[c.request_id] = fam
+                    self.active.append(c)
+
+        return reorder
+
+    def _sample(self, fam: _Family, r: Request, row: torch.Tensor) -> list[Callable[[], None]]:
+        """n > 1: draws the sample's token (the root's first: n tokens, n - 1 forks)."""
+        logp = torch.log_softmax(row.float() / self._temperature, dim=-1)
+        first = not fam.samples
+        draws = torch.multinomial(logp.exp(), fam.n if first else 1, replacement=True,
+                                  generator=self._generator).tolist()  # fmt: skip
+        self._engine._counters["generated_tokens"] += len(draws)
+        r.append_tokens([draws[0]])
+        if not first:
+            fam.logprob[r.request_id] += float(logp[draws[0]])
+            return [lambda: self._maybe_end(fam, r)]
+        children = [self._child(r, t) for t in draws[1:]]
+        fam.samples = [r, *children]
+        for s, t in zip(fam.samples, draws, strict=True):
+            fam.logprob[s.request_id] = float(logp[t])
+            self._owner[s.request_id] = fam
+
+        def fork() -> None:
+            if r.is_finished:  # one new token: nothing to fork, nothing more to run
+                for c in children:
+                    c.state = RequestState.FINISHED
+                self._maybe_end(fam, r)
+                return
+            self._engine._rm.fork_resources(r, children)
+            self.active += children
+
+        return [fork]
+
+    def _maybe_end(self, fam: _Family, r: Request) -> None:
+        if not r.is_finished:
+            return
+        if self._engine._rm.has_request(r):
+            self._engine._rm.free_resources(r)
+            self._engine._counters["requests"] += 1
+        if r in self.active:
+            self.active.remove(r)
+        fam.done = all(s.is_finished for s in fam.samples)
+
+    def _end(self, fam: _Family) -> None:
+        """The search ended: frees the running beams (the best one stored for reuse)."""
+        rm = self._engine._rm
+        for i, r in enumerate(self._live(fam)):
+            if rm.has_request(r):
+                rm.free_resources(r, store_for_reuse=i == 0)
+            if r in self.active:
+                self.active.remove(r)
+        fam.done = True
+        self._engine._counters["requests"] += 1
+
+    def release(self) -> None:
+        """After an error: frees whatever is still registered."""
+        rm = self._engine._rm
+        for r in self.active:
+            if rm.has_request(r):
+                rm.free_resources(r, store_for_reuse=False)
+
+    def result(self) -> GenerationResult:
+        seqs: list[list[list[int]]] = []
+        scores: list[list[float]] = []
+        for fam in self.families:
+            if fam.beam is not None:
+                fin = fam.beam.finished
+                seqs.append([t for t, _ in fin])
+                scores.append([s for _, s in fin])
+            else:
+                seqs.append([list(s.generated) for s in fam.samples])
+                scores.append([fam.logprob[s.request_id] for s in fam.samples])
+        return GenerationResult(tokens=[s[0] for s in seqs], sequences=seqs, scores=scores)
