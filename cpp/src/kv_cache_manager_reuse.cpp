@@ -500,13 +500,13 @@ std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std:
                                                      const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);
   ValidatePrompt(tokens, n, "get_reusable_prefix_length", -1);
-  return PlanReuse(tokens, n, extras).reused_tokens;
+  return ReusableWithShared(tokens, n, extras, nullptr);
 }
 
 std::int32_t KVCacheManager::GetReusablePrefixLength(const PreparedPrompt& prompt) const {
   std::lock_guard<std::mutex> lock(mu_);
   CheckPrepared(prompt);
-  return PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt).reused_tokens;
+  return ReusableWithShared(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt);
 }
 
 bool KVCacheManager::IsSequenceValidForReuse(SeqId id) const {

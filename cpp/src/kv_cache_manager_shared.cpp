@@ -109,6 +109,49 @@ std::int32_t KVCacheManager::SharedServed(const std::vector<std::vector<char>>& 
   return best;
 }
 
+bool KVCacheManager::SharedAvailable(const std::vector<std::uint64_t>& hashes, std::int32_t base, std::int32_t end,
+                                     std::int64_t deadline, std::vector<std::vector<char>>* avail) const {
+  // One pipelined round trip: EXISTS of every window's key at every position in [base, end).
+  const std::size_t nw = windows_.size();
+  const auto span = static_cast<std::size_t>(end - base);
+  std::vector<std::string> keys;
+  keys.reserve(nw * span);
+  for (std::size_t w = 0; w < nw; ++w) {
+    for (std::int32_t d = base; d < end; ++d) {
+      keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
+    }
+  }
+  std::vector<char> found;
+  if (!shared_->Exists(keys, &found, deadline)) return false;
+  avail->assign(nw, {});
+  for (std::size_t w = 0; w < nw; ++w) {
+    const auto first = found.begin() + static_cast<std::ptrdiff_t>(w * span);
+    (*avail)[w].assign(first, first + static_cast<std::ptrdiff_t>(span));
+  }
+  return true;
+}
+
+std::int32_t KVCacheManager::ProbeShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                         const PreparedPrompt* prepared, std::int32_t base) const {
+  // FetchShared's first round, on the same clock: the prefix the store's blocks serve.
+  const std::int32_t end = (static_cast<std::int32_t>(n) - 1) / tpb_;
+  if (end <= base) return base;
+  const std::int64_t deadline = SteadyMs() + shared_timeout_ms_;
+  const std::vector<std::uint64_t> hashes = PromptHashes(tokens, extras, prepared, end);
+  std::vector<std::vector<char>> avail;
+  if (!SharedAvailable(hashes, base, end, deadline, &avail)) return base;
+  return SharedServed(avail, base, end);
+}
+
+std::int32_t KVCacheManager::ReusableWithShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                                const PreparedPrompt* prepared) const {
+  const ReusePlan& plan = PlanReuse(tokens, n, extras, prepared);
+  if (shared_ == nullptr) return plan.reused_tokens;
+  const std::int32_t h = ProbeShared(tokens, n, extras, prepared, plan.full_blocks);
+  // As ApplyShared: the store's blocks continue the full-block hit and replace a partial match.
+  return h > plan.full_blocks ? h * tpb_ : plan.reused_tokens;
+}
+
 void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
                                  const PreparedPrompt* prepared) {
   SharedFetch& f = shared_fetch_;
@@ -122,21 +165,11 @@ void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const Reu
   const std::int64_t deadline = SteadyMs() + shared_timeout_ms_;
   const std::vector<std::uint64_t> hashes = PromptHashes(tokens, extras, prepared, end);
   const auto span = static_cast<std::size_t>(end - base);
+  for (std::size_t w = 0; w < nw; ++w) f.values[w].assign(span, std::string());
   // Round 1: which blocks the store has, in every window.
+  std::vector<std::vector<char>> avail;
+  if (!SharedAvailable(hashes, base, end, deadline, &avail)) return;
   std::vector<std::string> keys;
-  for (std::size_t w = 0; w < nw; ++w) {
-    f.values[w].assign(span, std::string());
-    for (std::int32_t d = base; d < end; ++d) {
-      keys.push_back(shared_->Key(shared_label_[w], hashes[static_cast<std::size_t>(d)]));
-    }
-  }
-  std::vector<char> found;
-  if (!shared_->Exists(keys, &found, deadline)) return;
-  std::vector<std::vector<char>> avail(nw);
-  for (std::size_t w = 0; w < nw; ++w) {
-    const auto first = found.begin() + static_cast<std::ptrdiff_t>(w * span);
-    avail[w].assign(first, first + static_cast<std::ptrdiff_t>(span));
-  }
   // Then the bytes of what the longest served prefix needs. A block that is gone or does not
   // verify is unavailable: the prefix shrinks before it, and what the shorter prefix needs
   // besides (a sliding window's earlier blocks) is fetched next, until nothing is missing.

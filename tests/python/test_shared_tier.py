@@ -312,6 +312,8 @@ def test_a_block_that_does_not_verify_ends_the_hit_before_it(server: Server) -> 
     value[-1] ^= 0xFF  # one flipped bit of the last byte: the checksum fails
     client.set(key, bytes(value))
     b = make(server.url)
+    # The probe reads no bytes: it counts the block (the one case where it says more).
+    assert b.get_reusable_prefix_length(PROMPT) == 28
     # The hit stops at 3 blocks; the window then needs positions 1..2.
     assert b.add_sequence(1, PROMPT) == 12
     s = b.get_kv_cache_stats()
@@ -612,3 +614,64 @@ def test_a_dropped_write_announces_nothing_in_the_store(server: Server) -> None:
     assert [[b["cache_level"] for b in e.data["blocks"]] for e in stored] == [[0] * 8, [3]]
     assert stored[1].data["blocks"][0]["block_hash"] == stored[0].data["blocks"][0]["block_hash"]
     assert m.get_kv_cache_stats().shared_write_drops == FULL_BLOCKS - 1
+
+
+WINDOW_SETUPS = {
+    "sliding+full": ([SWA, None], {SWA: (8, 0), FULL: (16, 0)}),
+    "full": (None, {FULL: (16, 0)}),
+    "sliding": ([SWA], {SWA: (8, 0)}),
+    "two windows, one not block-aligned": ([6, 12, None], {6: (8, 0), 12: (8, 0), FULL: (16, 0)}),
+}
+
+
+@pytest.mark.parametrize("setup", list(WINDOW_SETUPS))
+def test_get_reusable_prefix_length_probes_the_store_as_add_sequence_onboards(
+    server: Server, setup: str
+) -> None:
+    window, blocks = WINDOW_SETUPS[setup]
+    client = server.client()
+    from_store = local_only = cut = 0
+    for seed in range(3):
+        client.flushall()
+        a = make(server.url, max_attention_window=window, blocks=blocks)
+        b = make(server.url, max_attention_window=window, blocks=blocks)
+        # A computes PROMPT (7 full blocks to the store); B computes its first 2 blocks itself.
+        assert a.add_sequence(1, PROMPT) == 0 and b.add_sequence(1, PROMPT[:9]) == 0
+        a.remove_sequence(1)
+        b.remove_sequence(1)
+        assert a.flush_shared_cache(timeout_ms=10_000) and b.flush_shared_cache(timeout_ms=10_000)
+        # A partial chain (seed 0: none): some windows' blocks at some positions are gone.
+        rng = np.random.default_rng(seed)
+        keys = sorted(client.keys(f"{a.shared_cache_namespace}:*"))
+        gone = [k for k in keys if seed > 0 and rng.random() < 0.3]
+        if gone:
+            client.delete(*gone)
+        # Every prefix length (the last token is never reused), then other tails.
+        probes = [PROMPT[:n] for n in range(1, len(PROMPT) + 1)]
+        probes += [PROMPT[:n] + [99, 98] for n in range(0, len(PROMPT), 3)]
+        for i, prompt in enumerate(probes):
+            hits = b.get_kv_cache_stats().shared_hits
+            want = b.get_reusable_prefix_length(prompt)
+            got = b.add_sequence(100 + i, prompt)
+            assert want == got, (setup, seed, len(prompt), gone, want, got)
+            onboarded = b.get_kv_cache_stats().shared_hits > hits
+            from_store += onboarded
+            local_only += not onboarded and got > 0
+            cut += got < 4 * ((len(prompt) - 1) // 4)
+            b.remove_sequence(100 + i, store_for_reuse=False)  # B's cache stays as it was
+        assert b.get_kv_cache_stats().shared_errors == 0
+        b.check_invariants()
+    # Store hits, local hits and hits a missing block cut short were all compared.
+    assert from_store > 20 and local_only > 5 and cut > 20
+
+
+def test_get_reusable_prefix_length_with_an_unreachable_store_is_the_local_hit() -> None:
+    m = make(f"redis://127.0.0.1:{_free_port()}")
+    assert m.add_sequence(1, PROMPT[:9]) == 0
+    m.remove_sequence(1)
+    assert m.flush_shared_cache(timeout_ms=10_000)  # the writes failed behind the calls
+    errors = m.get_kv_cache_stats().shared_errors
+    assert m.get_reusable_prefix_length(PROMPT) == 8  # a miss, no exception
+    assert m.get_kv_cache_stats().shared_errors == errors + 1
+    assert m.add_sequence(2, PROMPT) == 8
+    m.check_invariants()

@@ -286,7 +286,10 @@ class KVCacheManager {
   /// Under lend_free_memory also moves slabs towards windows that evicted cached blocks in the
   /// step, from windows whose next victims are cheaper to lose (see Rebalance).
   void RefreshBlocks();
-  /// What AddSequence would return now for this prompt, without changing anything.
+  /// What AddSequence would return now for this prompt, without changing anything. With a shared
+  /// tier, the store is probed as AddSequence's lookup first probes it (one pipelined EXISTS
+  /// round trip within shared_cache_timeout_ms; a failure is a miss, counted, never thrown);
+  /// the blocks' bytes are not read, so a block that would fail verification still counts.
   std::int32_t GetReusablePrefixLength(const TokenId* tokens, std::size_t n, const ReuseExtras& extras) const;
   std::int32_t GetReusablePrefixLength(const PreparedPrompt& prompt) const;
   /// Free primary blocks per window that AddSequence of this prompt would take now (reused
@@ -385,7 +388,8 @@ class KVCacheManager {
   /// The same for a prompt not registered yet, growing to `final_tokens` tokens: registering it
   /// now (its reuse plan: GetNumBlocksToAllocate) plus its growth; `use_reuse` false (with reuse
   /// on): the bound over whatever the cache holds when it registers.
-  /// `reusable` (optional) receives GetReusablePrefixLength(prompt), from the same lookup.
+  /// `reusable` (optional) receives the local reuse plan's tokens (GetReusablePrefixLength
+  /// without the shared tier's probe), from the same lookup.
   std::vector<std::int64_t> GetPromptRemainingBlocks(const PreparedPrompt& prompt, std::int32_t final_tokens,
                                                      std::int32_t chunk, bool use_reuse, bool prefill_only,
                                                      std::int32_t* reusable = nullptr) const;
@@ -656,6 +660,18 @@ class KVCacheManager {
   /// what the longest servable prefix needs), verifies them and records them in shared_fetch_.
   /// A failure or a timeout is a miss (counted); it never throws for the store.
   void FetchShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras, const PreparedPrompt* prepared);
+  /// Round 1 of a lookup: avail[w][d - base] = 1 where the store has window w's block at position
+  /// d in [base, end), one pipelined EXISTS by `deadline`; false on a failure (a miss, counted).
+  bool SharedAvailable(const std::vector<std::uint64_t>& hashes, std::int32_t base, std::int32_t end,
+                       std::int64_t deadline, std::vector<std::vector<char>>* avail) const;
+  /// The prefix end (in blocks, >= base) the store's blocks serve past a local hit of `base`
+  /// blocks: FetchShared's first round, without reading bytes. A failure is `base`.
+  std::int32_t ProbeShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                           const PreparedPrompt* prepared, std::int32_t base) const;
+  /// GetReusablePrefixLength's answer (the caller holds mu_): the local plan, extended by the
+  /// store's blocks as ApplyShared extends it.
+  std::int32_t ReusableWithShared(const TokenId* tokens, std::size_t n, const ReuseExtras& extras,
+                                  const PreparedPrompt* prepared) const;
   /// The chained hashes of the prompt's first `num_full` full blocks.
   std::vector<std::uint64_t> PromptHashes(const TokenId* tokens, const ReuseExtras& extras,
                                           const PreparedPrompt* prepared, std::int32_t num_full) const;
