@@ -407,7 +407,10 @@ class EventBatcher:
             lora = b["lora_task_id"]
             medium = _MEDIA[int(b["cache_level"])]
             cached = _Cached(parent, tokens, None if lora is None else int(lora), medium)
-            self._cached[(e.window_size, h)] = cached
+            if medium != MEDIUM_SHARED_STORAGE:
+                # The store's copy is never removed or moved: the manager's removed and
+                # updated events of (window, hash) are about its own copy.
+                self._cached[(e.window_size, h)] = cached
             self._stored(out, e.window_size, parent, h, cached, medium)
             parent = h
 

@@ -44,6 +44,10 @@ __all__ = ["KvIndexer", "ZmqEventSubscriber"]
 
 _log = logging.getLogger(__name__)
 
+# kvcache.events.MEDIUM_SHARED_STORAGE (vLLM's medium name for shared storage), spelled out:
+# this module imports neither msgspec nor zmq until it needs them.
+MEDIUM_SHARED_STORAGE = "SHARED_STORAGE"
+
 # Field order of the older array form's events (after the tag).
 _ARRAY_FIELDS = {
     "BlockStored": (
@@ -80,6 +84,7 @@ class _Group:
 class _Engine:
     groups: dict[int, _Group] = field(default_factory=dict)
     lora_ids: dict[str, int] = field(default_factory=dict)  # lora_name -> lora_id seen
+    shared_tier: bool | None = None  # reads the shared store; None: the index's default
 
 
 def _event_dict(event: Any) -> dict[str, Any]:
@@ -163,6 +168,28 @@ def _served_blocks(present: Mapping[int, tuple[_Group, list[bool]]]) -> int:
     return best
 
 
+def _store_served(
+    avail: Mapping[int, tuple[_Group, list[bool]]], base: int, end: int, block_size: int
+) -> int:
+    """The largest h in [base, end] that the store's blocks serve after a local hit of ``base``
+    blocks (the core's ``SharedServed``): full attention needs the store's blocks ``base ..
+    h-1``, a window of ``W`` tokens those from ``max(base, (h * block_size - W) //
+    block_size)`` on. ``avail[g][1][d - base]``: the store has group g's block d."""
+    last_gap = dict.fromkeys(avail, base - 1)
+    best = base
+    for h in range(base + 1, end + 1):
+        served = True
+        for g, (group, flags) in avail.items():
+            if not flags[h - 1 - base]:
+                last_gap[g] = h - 1
+            front = 0 if group.window is None else max(0, h * block_size - group.window)
+            if last_gap[g] >= max(base, front // block_size):
+                served = False
+        if served:
+            best = h
+    return best
+
+
 class KvIndexer:
     """Which blocks each engine caches, from its KV events; predicts each engine's reuse.
 
@@ -190,8 +217,22 @@ class KvIndexer:
         >>> pub.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared_tier: bool = False) -> None:
+        """Args:
+        shared_tier: Whether engines read the fleet's shared store (``shared_cache_url``)
+            unless :meth:`add_engine` says otherwise. An engine that announces a block in
+            the store (``SHARED_STORAGE``) reads it from then on anyway, unless declared
+            not to.
+        """
+        if not isinstance(shared_tier, bool):
+            raise ValueError(f"shared_tier must be a bool, got {shared_tier!r}")
         self._engines: dict[Hashable, _Engine] = {}
+        self._shared_default = shared_tier
+        # The fleet's store: the blocks any engine announced in it, per (block size, window),
+        # and the group layout (group_idx -> spec) and LoRA names its events carried.
+        self._shared: dict[tuple[int, int | None], set[Hashable]] = {}
+        self._shared_groups: dict[int, _Group] = {}
+        self._shared_lora_ids: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -226,8 +267,7 @@ class KvIndexer:
             for e in parsed:
                 self._apply_one(engine, e)
 
-    @staticmethod
-    def _apply_one(engine: _Engine, e: dict[str, Any]) -> None:
+    def _apply_one(self, engine: _Engine, e: dict[str, Any]) -> None:
         kind = e["type"]
         if kind == "AllBlocksCleared":
             for group in engine.groups.values():
@@ -235,6 +275,9 @@ class KvIndexer:
             return
         group_idx = int(e.get("group_idx") or 0)
         medium = e.get("medium")
+        if medium == MEDIUM_SHARED_STORAGE:
+            self._apply_shared(engine, group_idx, e)
+            return
         if kind == "BlockStored":
             sliding = e.get("kv_cache_spec_kind") == "sliding_window"
             window = e.get("kv_cache_spec_sliding_window") if sliding else None
@@ -254,10 +297,61 @@ class KvIndexer:
                 if not media or medium is None:
                     del known.blocks[h]  # type: ignore[union-attr]
 
-    def add_engine(self, engine_id: Hashable) -> None:
-        """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does)."""
+    def _apply_shared(self, engine: _Engine, group_idx: int, e: dict[str, Any]) -> None:
+        """A ``SHARED_STORAGE`` event: the fleet's store, not the engine's own cache."""
+        if e["type"] == "BlockStored":
+            if engine.shared_tier is None:
+                engine.shared_tier = True  # it writes to a store, so it reads it too
+            sliding = e.get("kv_cache_spec_kind") == "sliding_window"
+            window = e.get("kv_cache_spec_sliding_window") if sliding else None
+            size = int(e["block_size"])
+            self._shared_groups[group_idx] = _Group(size, window)
+            self._shared.setdefault((size, window), set()).update(e["block_hashes"])
+            if e.get("lora_name") is not None and e.get("lora_id") is not None:
+                self._shared_lora_ids[str(e["lora_name"])] = int(e["lora_id"])
+        else:  # BlockRemoved: a block the store no longer holds (e.g. a store-side watcher's)
+            spec = self._shared_groups.get(group_idx)
+            if spec is not None:
+                self._shared.get((spec.block_size, spec.window), set()).difference_update(
+                    e["block_hashes"]
+                )
+
+    def add_engine(self, engine_id: Hashable, *, shared_tier: bool | None = None) -> None:
+        """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does).
+
+        Args:
+            engine_id: Any hashable name of the engine.
+            shared_tier: Whether the engine reads the fleet's shared store (``True`` for a
+                manager with ``shared_cache_url``); ``None`` leaves what is known (the
+                index's default for a new engine).
+        """
+        if shared_tier is not None and not isinstance(shared_tier, bool):
+            raise ValueError(f"shared_tier must be a bool or None, got {shared_tier!r}")
         with self._lock:
-            self._engines.setdefault(engine_id, _Engine())
+            engine = self._engines.setdefault(engine_id, _Engine())
+            if shared_tier is not None:
+                engine.shared_tier = shared_tier
+
+    def reads_shared_tier(self, engine_id: Hashable) -> bool:
+        """Whether :meth:`match` counts the shared store for ``engine_id`` (``KeyError`` if
+        unknown)."""
+        with self._lock:
+            return self._reads_shared(self._engines[engine_id])
+
+    def _reads_shared(self, engine: _Engine) -> bool:
+        return self._shared_default if engine.shared_tier is None else engine.shared_tier
+
+    def num_shared_blocks(self) -> dict[tuple[int, int | None], int]:
+        """Blocks the index believes the shared store holds, per ``(block_size, window)``
+        (``None``: full attention)."""
+        with self._lock:
+            return {k: len(v) for k, v in self._shared.items() if v}
+
+    def clear_shared_tier(self) -> None:
+        """Forgets every block of the shared store (after a flush, a restart or
+        ``clear_shared_cache``: events cannot see those)."""
+        with self._lock:
+            self._shared.clear()
 
     def remove_engine(self, engine_id: Hashable) -> None:
         """Forgets an engine (``KeyError`` if unknown)."""
@@ -307,30 +401,44 @@ class KvIndexer:
         key: dict[str, Any],
         cache: dict[tuple[int, int | None], list[int]],
     ) -> int:
-        if len(tokens) <= 1 or not engine.groups:
+        shared = self._reads_shared(engine)
+        groups = engine.groups
+        if shared and self._shared_groups.keys() - groups.keys():
+            # One store, one layout: a group the engine announced nothing in holds nothing.
+            groups = {g: _Group(x.block_size, x.window) for g, x in self._shared_groups.items()}
+            groups.update(engine.groups)
+        if len(tokens) <= 1 or not groups:
             return 0
         lora = key["lora_task_id"]
         if lora_name is not None:
-            if lora_name not in engine.lora_ids:
+            lora = engine.lora_ids.get(lora_name)
+            if lora is None and shared:
+                lora = self._shared_lora_ids.get(lora_name)
+            if lora is None:
                 return 0
-            lora = engine.lora_ids[lora_name]
-        sizes = {group.block_size for group in engine.groups.values()}
+        sizes = {group.block_size for group in groups.values()}
         if len(sizes) != 1:
             raise ValueError(f"the engine's groups have different block sizes {sorted(sizes)}")
         (block_size,) = sizes
-        present: dict[int, tuple[_Group, list[bool]]] = {}
-        for g, group in engine.groups.items():
-            hashes = cache.get((block_size, lora))
-            if hashes is None:
-                hashes = cache[(block_size, lora)] = block_hashes(
-                    tokens[:-1],
-                    block_size,
-                    lora_task_id=lora,
-                    cache_salt=key["cache_salt"],
-                    multimodal=key["multimodal"],
-                )
-            present[g] = (group, [h in group.blocks for h in hashes])
-        return _served_blocks(present) * block_size
+        hashes = cache.get((block_size, lora))
+        if hashes is None:
+            hashes = cache[(block_size, lora)] = block_hashes(
+                tokens[:-1],
+                block_size,
+                lora_task_id=lora,
+                cache_salt=key["cache_salt"],
+                multimodal=key["multimodal"],
+            )
+        present = {g: (group, [h in group.blocks for h in hashes]) for g, group in groups.items()}
+        base = _served_blocks(present)
+        if not shared or base >= len(hashes):
+            return base * block_size
+        # Past the local hit, the blocks the store holds (the engine's lookup, then onboard).
+        avail: dict[int, tuple[_Group, list[bool]]] = {}
+        for g, group in groups.items():
+            stored = self._shared.get((block_size, group.window), set())
+            avail[g] = (group, [h in stored for h in hashes[base:]])
+        return _store_served(avail, base, len(hashes), block_size) * block_size
 
     def best_engine(
         self,
