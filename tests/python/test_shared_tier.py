@@ -11,11 +11,16 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
+
+if TYPE_CHECKING:
+    from kvcache.events import ZmqEventPublisher
+    from kvcache.router import ZmqEventSubscriber
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None,
@@ -648,7 +653,7 @@ def test_get_reusable_prefix_length_probes_the_store_as_add_sequence_onboards(
             client.delete(*gone)
         # Every prefix length (the last token is never reused), then other tails.
         probes = [PROMPT[:n] for n in range(1, len(PROMPT) + 1)]
-        probes += [PROMPT[:n] + [99, 98] for n in range(0, len(PROMPT), 3)]
+        probes += [[*PROMPT[:n], 99, 98] for n in range(0, len(PROMPT), 3)]
         for i, prompt in enumerate(probes):
             hits = b.get_kv_cache_stats().shared_hits
             want = b.get_reusable_prefix_length(prompt)
@@ -675,3 +680,160 @@ def test_get_reusable_prefix_length_with_an_unreachable_store_is_the_local_hit()
     assert m.get_kv_cache_stats().shared_errors == errors + 1
     assert m.add_sequence(2, PROMPT) == 8
     m.check_invariants()
+
+
+def _sync_subscriber(sub: ZmqEventSubscriber, pubs: dict[str, ZmqEventPublisher]) -> None:
+    """Polls until the subscriber has applied every batch each publisher sent."""
+    deadline = time.monotonic() + 20
+    for engine, pub in pubs.items():
+        target, polls = pub.next_seq - 1, 0
+        while (
+            target >= 0 and (-1 if sub.last_seq(engine) is None else sub.last_seq(engine)) < target
+        ):
+            assert time.monotonic() < deadline, f"{engine} stuck at {sub.last_seq(engine)}"
+            if sub.poll(20) == 0:
+                polls += 1
+                if polls % 5 == 0:  # the stream went quiet: its last batches were lost
+                    sub.catch_up(engine)
+
+
+def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store(
+    server: Server, tmp_path: Path
+) -> None:
+    """Three engines of one model (windows of 6 and 16 tokens and full attention; small pools
+    that evict, two with host offload, one with a disk tier) share a store and publish their
+    events over ZeroMQ: after every step, for random probes on every engine, the router's
+    ``match`` equals the engine's ``get_reusable_prefix_length`` (which probes the store), and
+    every admission reuses what the engine said before it."""
+    import random
+
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from kvcache import OutOfBlocksError
+    from kvcache.events import ZmqEventPublisher
+    from kvcache.router import KvIndexer, ZmqEventSubscriber
+
+    model = ModelConfig(num_layers=3, num_kv_heads=1, head_dim=4)
+    windows: list[int | None] = [6, 16, None]
+
+    def engine(blocks: dict[int, Any], disk: Path | None = None) -> KVCacheManager:
+        tier: dict[str, Any] = {}
+        if disk is not None:  # sizes only validated: from_blocks takes exact counts
+            tier = {"disk_cache_dir": str(disk), "host_cache_size": 1, "disk_cache_size": 1}
+        config = KvCacheConfig(
+            tokens_per_block=4,
+            max_attention_window=windows,
+            backend="host",
+            event_buffer_max_size=100_000,
+            enable_partial_reuse=False,
+            shared_cache_url=server.url,
+            shared_cache_timeout_ms=1000,  # a loaded test machine: never a timeout miss
+            **tier,
+        )
+        return KVCacheManager.from_blocks(model, config, blocks, max_seq_len=64, max_batch_size=4)
+
+    rng = random.Random(26)
+    engines = {
+        "a": engine({6: (5, 3, 4), 16: (7, 3, 3), 64: (12, 6, 6)}, disk=tmp_path),
+        "b": engine({6: (6, 2), 16: (8, 2), 64: (12, 4)}),
+        "c": engine({6: (8, 0), 16: (10, 0), 64: (14, 0)}),
+    }
+    assert len({kv.shared_cache_namespace for kv in engines.values()}) == 1
+    pubs = {
+        name: ZmqEventPublisher(kv, f"inproc://st-{name}", f"inproc://st-{name}-r", topic="kv")
+        for name, kv in engines.items()
+    }
+    local = KvIndexer()  # the same events, as if no engine read the store
+
+    class TwoIndexes(KvIndexer):
+        def apply(self, engine_id: Any, payload: Any) -> None:
+            super().apply(engine_id, payload)
+            local.apply(engine_id, payload)
+
+    index = TwoIndexes(shared_tier=True)
+    for name in engines:
+        local.add_engine(name, shared_tier=False)
+    sub = ZmqEventSubscriber(
+        index, {n: (f"inproc://st-{n}", f"inproc://st-{n}-r") for n in engines}, topic="kv"
+    )
+    bases = [[rng.randrange(1000) for _ in range(28)] for _ in range(4)]
+    keys: list[dict[str, Any]] = [{}, {"lora_task_id": 3}, {"cache_salt": "x"}]
+    live: dict[str, dict[int, int]] = {n: {} for n in engines}  # request -> tokens left
+    next_id = 0
+    probes = hits = from_store = admitted = 0
+    steps = 300
+    try:
+        for _ in range(steps):
+            name = rng.choice(list(engines))
+            kv = engines[name]
+            op = rng.random()
+            if op < 0.35 and len(live[name]) < 2:
+                prompt = rng.choice(bases)[: rng.randrange(2, 24)] + [
+                    rng.randrange(1000) for _ in range(rng.randrange(3))
+                ]
+                kw = dict(rng.choice(keys))
+                predicted = kv.get_reusable_prefix_length(prompt, **kw)
+                if len(prompt) > 5 and rng.random() < 0.3:
+                    kw["prefill"] = 4  # chunked prefill: 4 tokens now, the rest later
+                try:
+                    reused = kv.add_sequence(next_id, prompt, **kw)
+                    live[name][next_id] = rng.randrange(1, 12)
+                    if "prefill" not in kw:  # (a chunk may not fit the store's blocks)
+                        assert reused == predicted, (name, prompt, kw, reused, predicted)
+                        admitted += 1
+                except OutOfBlocksError:
+                    pass
+                next_id += 1
+            elif op < 0.75 and live[name]:
+                rid = rng.choice(list(live[name]))
+                left = kv.prompt_length(rid) - kv.num_tokens(rid)
+                try:
+                    if left > 0:
+                        kv.prefill(rid, min(4, left))
+                    else:
+                        for _ in range(rng.randrange(1, 5)):
+                            kv.add_token(rid, rng.choice([rng.randrange(1000), bases[0][0]]))
+                            live[name][rid] -= 1
+                except OutOfBlocksError:
+                    live[name][rid] = 0
+                if live[name][rid] <= 0 or kv.num_tokens(rid) > 40:
+                    kv.remove_sequence(rid)
+                    del live[name][rid]
+                elif rng.random() < 0.3:
+                    kv.store_context_blocks(rid)
+            elif live[name]:
+                rid = rng.choice(list(live[name]))
+                kv.remove_sequence(rid)
+                del live[name][rid]
+            for kv in engines.values():  # the store holds what the events announced
+                assert kv.flush_shared_cache(timeout_ms=10_000)
+            for pub in pubs.values():
+                pub.publish()
+            _sync_subscriber(sub, pubs)
+            for probe_engine, probe_kv in engines.items():
+                for _ in range(4):
+                    key = rng.choice(keys)
+                    prompt = rng.choice(bases)[: rng.randrange(1, 29)]
+                    want = probe_kv.get_reusable_prefix_length(prompt, **key)
+                    router_key = {
+                        "lora_id": key.get("lora_task_id"),
+                        "cache_salt": key.get("cache_salt"),
+                    }
+                    got = index.match(probe_engine, prompt, **router_key)
+                    assert got == want, (probe_engine, prompt, key, got, want)
+                    probes += 1
+                    hits += want > 0
+                    from_store += want > local.match(probe_engine, prompt, **router_key)
+        stats = {n: kv.get_kv_cache_stats() for n, kv in engines.items()}
+    finally:
+        sub.close()
+        for pub in pubs.values():
+            pub.close()
+    # The workload reached what it is meant to exercise: hits beyond each engine's own
+    # cache, store hits onboarded, offloads and onboards, evictions, no store error.
+    assert probes == steps * 3 * 4 and hits > steps and from_store > steps // 2
+    assert admitted > 30
+    assert all(s.shared_errors == 0 and s.shared_write_drops == 0 for s in stats.values())
+    assert sum(s.shared_hits for s in stats.values()) > 50
+    assert all(s.offloaded_blocks > 0 for n, s in stats.items() if n != "c")
+    assert sub.num_unrecoverable_gaps == 0
