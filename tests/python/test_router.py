@@ -137,6 +137,90 @@ def test_a_block_counts_in_any_medium_until_its_last_copy_goes() -> None:
     assert index.match("e", prompt) == 0 and index.num_blocks("e") == {0: 0}
 
 
+def _shared(group: int, hashes: list[int], window: int | None = None) -> dict[str, Any]:
+    return dict(_stored(group, hashes, window), medium="SHARED_STORAGE")
+
+
+def test_the_shared_store_serves_every_reader_past_its_local_hit() -> None:
+    # Group 0: a window of 8 tokens (2 blocks); group 1: full attention. 6 blocks h0..h5.
+    prompt = list(range(25))
+    h = kvcache.block_hashes(prompt[:24], TPB)
+    index = KvIndexer()  # engines read the store only once known to
+    index.add_engine("b", shared_tier=True)
+    index.add_engine("c")
+    # Engine a writes blocks 0..4 of both groups to the store (and holds them itself).
+    index.apply(
+        "a", [_stored(1, h[:5]), _stored(0, h[:5], 8), _shared(1, h[:5]), _shared(0, h[:5], 8)]
+    )
+    assert index.reads_shared_tier("a") and index.reads_shared_tier("b")
+    assert not index.reads_shared_tier("c")  # nothing says it has a store
+    assert index.num_blocks("a") == {1: 5, 0: 5}  # its own copies only
+    assert index.num_shared_blocks() == {(TPB, None): 5, (TPB, 8): 5}
+    # b has nothing itself (its groups come from the store's layout) and reads the store.
+    assert index.match("b", prompt) == 20 and index.match("c", prompt) == 0
+    assert index.match("a", prompt) == 20
+    # b holds blocks 0..1 itself: the store continues from there.
+    index.apply("b", [_stored(1, h[:2]), _stored(0, h[:2], 8)])
+    assert index.match("b", prompt) == 20
+    # The store lacks the window's block 2: past b's local hit of 2 blocks, full attention
+    # needs 2..h-1 from the store and the window its last 2 blocks: h = 3 needs window block
+    # 2 (gone), h = 4 needs 2..3 (2 gone), h = 5 needs 3..4: served.
+    index.apply(
+        "a",
+        [
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [h[2]],
+                "medium": "SHARED_STORAGE",
+                "group_idx": 0,
+            }
+        ],
+    )
+    assert index.match("b", prompt) == 20 and index.match("b", prompt[:17]) == 8
+    # The window's block 2 is back; a full-attention gap at 3 stops the hit before it.
+    index.apply(
+        "a",
+        [
+            _shared(0, [h[2]], 8),
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [h[3]],
+                "medium": "SHARED_STORAGE",
+                "group_idx": 1,
+            },
+        ],
+    )
+    assert index.match("b", prompt) == 12
+    # The engine's own events never touch the store, nor does forgetting an engine.
+    index.apply("a", [{"type": "AllBlocksCleared"}])
+    index.remove_engine("a")
+    assert index.match("b", prompt) == 12
+    index.add_engine("c", shared_tier=True)
+    assert index.match("c", prompt) == 12
+    index.add_engine("c", shared_tier=False)  # declared: no store
+    assert index.match("c", prompt) == 0
+    # A flushed store: the index is told.
+    index.clear_shared_tier()
+    assert index.match("b", prompt) == 8 and index.num_shared_blocks() == {}
+    # A store block is not the writer's own: gone from its pool, only the store serves it.
+    w = KvIndexer()
+    w.add_engine("x", shared_tier=False)
+    w.apply("x", [_stored(0, h), _shared(0, h)])
+    w.apply("x", [{"type": "BlockRemoved", "block_hashes": h[3:], "medium": "GPU", "group_idx": 0}])
+    assert w.match("x", prompt) == 12
+    w.add_engine("x", shared_tier=True)
+    assert w.match("x", prompt) == 24
+    # LoRA names: a reader resolves a name another engine's store blocks carried.
+    lora = kvcache.block_hashes(prompt[:24], TPB, lora_task_id=7)
+    named = dict(_shared(0, lora), lora_id=7, lora_name="sql")
+    w.apply("y", [named])
+    assert w.match("x", prompt, lora_name="sql") == 24
+    with pytest.raises(ValueError, match="shared_tier must be a bool"):
+        KvIndexer(shared_tier=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shared_tier must be a bool or None"):
+        w.add_engine("x", shared_tier="yes")  # type: ignore[arg-type]
+
+
 def test_apply_takes_both_wire_forms_raw_or_decoded() -> None:
     kv = _manager({8: 8, 64: 8}, window=[8, None])
     pubs = [

@@ -837,3 +837,36 @@ def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store
     assert sum(s.shared_hits for s in stats.values()) > 50
     assert all(s.offloaded_blocks > 0 for n, s in stats.items() if n != "c")
     assert sub.num_unrecoverable_gaps == 0
+
+
+def test_an_offload_after_a_store_write_moves_the_engines_own_copy(server: Server) -> None:
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from kvcache.events import ZmqEventPublisher
+
+    model = ModelConfig(num_layers=1, num_kv_heads=1, head_dim=4)
+    m = make(server.url, model=model, max_attention_window=None, blocks={FULL: (3, 2)})
+    pub = ZmqEventPublisher(m, "inproc://shared-offload")
+    try:
+        m.add_sequence(1, list(range(9)))
+        m.remove_sequence(1)
+        m.add_sequence(2, list(range(100, 109)))  # evicts request 1's 2 blocks to host
+        m.remove_sequence(2)
+        got = [
+            (type(e).__name__, e.medium, len(e.block_hashes))
+            for e in pub.convert(m.get_latest_events())
+        ]
+    finally:
+        pub.close()
+    # The store's copy stays announced; the engine's own copies move GPU -> CPU.
+    assert got == [
+        ("BlockStored", "GPU", 2),
+        ("BlockStored", "SHARED_STORAGE", 2),
+        ("BlockRemoved", "GPU", 1),
+        ("BlockStored", "CPU", 1),
+        ("BlockRemoved", "GPU", 1),
+        ("BlockStored", "CPU", 1),
+        ("BlockStored", "GPU", 2),
+        ("BlockStored", "SHARED_STORAGE", 2),
+    ]
+    assert m.flush_shared_cache(timeout_ms=10_000)
