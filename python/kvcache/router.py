@@ -19,6 +19,15 @@ the largest such ``p`` times ``block_size`` (0 if none). A block counts in any m
 host, disk). A block's key covers its whole prefix, so holding block ``p-1`` implies the
 engine's reuse tree reaches it.
 
+The shared tier (``shared_cache_url``): ``SHARED_STORAGE`` blocks, from any engine, form one
+fleet-wide set per ``(block_size, window)``. For an engine that reads the store, the local
+hit ``p`` is extended as its lookup (``SharedServed`` in
+``cpp/src/kv_cache_manager_shared.cpp``) extends it: the longest ``h`` such that every
+full-attention group's blocks ``p .. h-1`` and every window's blocks from
+``max(p, (h * block_size - W) // block_size)`` to ``h-1`` are in the store. Events cannot
+see the store evict or be flushed: ``match`` may then over-predict (by the blocks the store
+lost; :meth:`KvIndexer.clear_shared_tier` after a flush).
+
 The index knows an engine's groups from its events (``group_idx``, ``kv_cache_spec_kind``,
 ``kv_cache_spec_sliding_window``, ``block_size`` of ``BlockStored``); a group it never heard
 of cannot constrain the answer. With ``enable_partial_reuse=True`` an engine may also reuse
@@ -218,11 +227,16 @@ class KvIndexer:
     """
 
     def __init__(self, *, shared_tier: bool = False) -> None:
-        """Args:
-        shared_tier: Whether engines read the fleet's shared store (``shared_cache_url``)
-            unless :meth:`add_engine` says otherwise. An engine that announces a block in
-            the store (``SHARED_STORAGE``) reads it from then on anyway, unless declared
-            not to.
+        """An empty index.
+
+        Args:
+            shared_tier: Whether engines read the fleet's shared store (``shared_cache_url``)
+                unless :meth:`add_engine` says otherwise. An engine that announces a block in
+                the store (``SHARED_STORAGE``) reads it from then on anyway, unless declared
+                not to. One index follows one store namespace (one model's fleet).
+
+        Raises:
+            ValueError: ``shared_tier`` is not a bool.
         """
         if not isinstance(shared_tier, bool):
             raise ValueError(f"shared_tier must be a bool, got {shared_tier!r}")
@@ -377,9 +391,12 @@ class KvIndexer:
 
         Equals the engine's ``get_reusable_prefix_length(token_ids, lora_task_id=...,
         cache_salt=..., multimodal=...)`` (without partial reuse) once every batch it
-        published has been applied. ``lora_name`` is resolved to the LoRA id the engine's
-        events paired it with (``ZmqEventPublisher(lora_names=...)``); an engine that never
-        published it has nothing for it (0). ``lora_id`` names the id directly.
+        published has been applied, and, for an engine that reads the shared store, every
+        batch that announced the store's blocks, while the store holds what they announced.
+        ``lora_name`` is resolved to the LoRA id the engine's events paired it with
+        (``ZmqEventPublisher(lora_names=...)``; for a reader of the store, also the store's
+        events); a name never published matches nothing (0). ``lora_id`` names the id
+        directly.
 
         Raises:
             KeyError: An unknown engine.
