@@ -361,6 +361,27 @@ class KvIndexer:
         with self._lock:
             return {k: len(v) for k, v in self._shared.items() if v}
 
+    def remove_shared_blocks(self, hashes: Iterable[Hashable], *, window: int | None) -> int:
+        """Forgets blocks the shared store no longer holds (what the store's own deletions
+        say: :class:`kvcache.shared_cache.SharedStoreWatcher` calls this).
+
+        Args:
+            hashes: The blocks' chained hashes (as events carry them).
+            window: Their window: the sliding window in tokens, ``None`` for full attention
+                (the store's key label 0).
+
+        Returns:
+            How many of them the index held.
+        """
+        gone = set(hashes)
+        removed = 0
+        with self._lock:
+            for (_, w), stored in self._shared.items():
+                if w == window:
+                    removed += len(stored & gone)
+                    stored -= gone
+        return removed
+
     def clear_shared_tier(self) -> None:
         """Forgets every block of the shared store (after a flush, a restart or
         ``clear_shared_cache``: events cannot see those)."""

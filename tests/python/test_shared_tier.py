@@ -882,3 +882,82 @@ def test_an_offload_after_a_store_write_moves_the_engines_own_copy(server: Serve
         ("BlockStored", "SHARED_STORAGE", 2),
     ]
     assert m.flush_shared_cache(timeout_ms=10_000)
+
+
+def test_a_store_watcher_keeps_the_router_exact_through_deletions_and_evictions(
+    server: Server,
+) -> None:
+    pytest.importorskip("msgspec")
+    pytest.importorskip("zmq")
+    from kvcache.events import EventBatcher
+    from kvcache.router import KvIndexer
+    from kvcache.shared_cache import SharedStoreWatcher, clear_shared_cache
+
+    a, b = make(server.url), make(server.url)
+    index = KvIndexer(shared_tier=True)
+    index.add_engine("b")
+    batcher = EventBatcher(a)
+    ns = a.shared_cache_namespace
+    watcher = SharedStoreWatcher(index, server.url, ns)
+    client = server.client()
+    rng = np.random.default_rng(5)
+    prompts = [PROMPT] + [[int(t) for t in rng.integers(100, 900, size=30)] for _ in range(150)]
+
+    def same(n: int = len(prompts)) -> int:
+        """Asserts match == the engine's probe for prompts and their prefixes; their sum."""
+        assert watcher.sync()
+        total = 0
+        for p in prompts[:n]:
+            for cut in (30, 21, 13):
+                want = b.get_reusable_prefix_length(p[:cut])
+                assert index.match("b", p[:cut]) == want, (p[:cut], want)
+                total += want
+        return total
+
+    try:
+        compute_and_store(a)
+        index.apply("a", batcher.convert(a.get_latest_events()))
+        assert same(1) == 28 + 20 + 12
+        # A DEL (full attention, position 3) ends both predictions at 3 blocks.
+        stored = index.num_shared_blocks()
+        assert stored == {(4, SWA): 7, (4, None): 7}
+        full3 = kvcache_hashes(PROMPT)[3]
+        assert client.delete(f"{ns}:w0:{full3:016x}") == 1
+        assert same(1) == 12 + 12 + 12 and watcher.num_removed == 1
+        # Evictions (LRU): 150 prompts are written, then the store shrinks by about 2 MB.
+        for i, p in enumerate(prompts[1:]):
+            assert a.add_sequence(10 + i, p) == 0
+            a.remove_sequence(10 + i)
+        assert a.flush_shared_cache(timeout_ms=10_000)
+        index.apply("a", batcher.convert(a.get_latest_events()))
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", used - 2_000_000)  # evicts at once
+        client.config_set("maxmemory", 0)
+        assert watcher.sync()
+        evicted = int(client.info("stats")["evicted_keys"])
+        assert evicted > 500 and watcher.num_removed == 1 + evicted
+        assert client.dbsize() == 14 + 150 * 14 - 1 - evicted
+        assert same() > 0
+        # clear_shared_cache deletes key by key: the watcher sees every one.
+        clear_shared_cache(server.url, ns)
+        assert same() == 0
+        # A flush sends no per-key notification: the index must be told.
+        a.add_sequence(1, PROMPT)
+        a.remove_sequence(1)
+        assert a.flush_shared_cache(timeout_ms=10_000)
+        index.apply("a", batcher.convert(a.get_latest_events()))
+        assert same(1) == 28 + 20 + 12
+        client.flushall()
+        assert index.match("b", PROMPT) == 28 and b.get_reusable_prefix_length(PROMPT) == 0
+        index.clear_shared_tier()
+        assert same(1) == 0
+    finally:
+        watcher.close()
+        watcher.close()
+
+
+def kvcache_hashes(tokens: list[int]) -> list[int]:
+    import kvcache
+
+    return list(kvcache.block_hashes(tokens[:-1], 4))
