@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -92,8 +93,10 @@ class SharedStoreWatcher:
     :meth:`kvcache.router.KvIndexer.remove_shared_blocks` for every block key deleted,
     evicted or expired, so the index's view of the store stays a subset of what the events
     and the store agree on. Not seen: ``FLUSHDB`` / ``FLUSHALL`` and restarts (Redis sends no
-    per-key notification; call ``KvIndexer.clear_shared_tier``), and notifications lost while
-    the watcher's connection is down (Redis does not queue them).
+    per-key notification; call ``KvIndexer.clear_shared_tier``), notifications lost while
+    the watcher's connection is down (Redis does not queue them; :attr:`num_errors`), and a
+    block whose eviction is applied before the event announcing its write (evicted within
+    the events' delivery latency of being written): the index re-adds it.
 
     Args:
         indexer: The index (``KvIndexer(shared_tier=True)``) fed by the engines' events.
@@ -130,10 +133,13 @@ class SharedStoreWatcher:
             self._cond = threading.Condition()
             self._syncs = 0
             self._removed = 0
+            self._errors = 0
             self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._prefix) + "*"
             self._pubsub.psubscribe(**{pattern: self._on_message})
-            self._thread = self._pubsub.run_in_thread(sleep_time=0.01, daemon=True)
+            self._thread = self._pubsub.run_in_thread(
+                sleep_time=0.01, daemon=True, exception_handler=self._on_error
+            )
         except BaseException:
             self._client.close()
             raise
@@ -143,6 +149,19 @@ class SharedStoreWatcher:
         """Block keys the store deleted, evicted or expired since the watcher started."""
         with self._cond:
             return self._removed
+
+    @property
+    def num_errors(self) -> int:
+        """Connection errors since the watcher started: notifications sent while its
+        connection was down are lost (Redis does not keep them), so the index may hold
+        blocks the store dropped meanwhile. The watcher reconnects on its own."""
+        with self._cond:
+            return self._errors
+
+    def _on_error(self, error: BaseException, pubsub: Any, thread: Any) -> None:
+        with self._cond:
+            self._errors += 1
+        time.sleep(0.1)  # then the worker's next read reconnects and subscribes again
 
     def _on_message(self, message: dict[str, Any]) -> None:
         channel, event = message["channel"], message["data"]

@@ -962,3 +962,23 @@ def kvcache_hashes(tokens: list[int]) -> list[int]:
     import kvcache
 
     return list(kvcache.block_hashes(tokens[:-1], 4))
+
+
+def test_a_watcher_whose_store_goes_away_counts_errors_and_closes(server: Server) -> None:
+    from kvcache.router import KvIndexer
+    from kvcache.shared_cache import SharedStoreWatcher
+
+    watcher = SharedStoreWatcher(KvIndexer(shared_tier=True), server.url, "ns")
+    try:
+        assert watcher.sync() and watcher.num_errors == 0
+        flags = server.client().config_get("notify-keyspace-events")["notify-keyspace-events"]
+        assert set(flags) == set("Kgxe")
+        server.stop()
+        deadline = time.monotonic() + 10  # a hang guard, not a timing assertion
+        while watcher.num_errors == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        watcher.close()
+    with pytest.raises(ValueError, match="namespace must be a non-empty str"):
+        SharedStoreWatcher(KvIndexer(), server.url, "")
