@@ -4,7 +4,8 @@ The manager talks to the store itself (its core speaks Redis's protocol); these 
 the ``redis`` client to look at and clear what managers wrote: every key of a namespace is
 ``<namespace>:w<window>:<hash>``, with ``window`` the sliding window (0 for full attention) and
 ``hash`` the block's chained key as 16 hex digits (the ``block_hashes`` that stored events
-carry). See API.md "The shared tier".
+carry). :class:`SharedStoreWatcher` follows the store's own deletions and evictions into a
+router's :class:`~kvcache.router.KvIndexer`. See API.md "The shared tier".
 """
 
 from __future__ import annotations
