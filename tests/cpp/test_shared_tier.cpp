@@ -110,6 +110,14 @@ TEST(SharedTier, AStoreNobodyListensOnIsAMissAndACounter) {
   EXPECT_EQ(s.shared_writes, 0);
   EXPECT_GE(s.shared_errors, 2);
   EXPECT_EQ(s.free_num_blocks, 24);
+  // The reuse query probes the store for blocks past the local hit (7 blocks and a 1-token
+  // partial match): a miss, counted, nothing thrown. Within the local hit it asks nothing.
+  const std::int64_t errors = s.shared_errors;
+  EXPECT_EQ(m.GetReusablePrefixLength(prompt.data(), prompt.size(), {}), 29);
+  EXPECT_EQ(m.GetStats().shared_errors, errors);
+  const std::vector<TokenId> longer = Iota(38);
+  EXPECT_EQ(m.GetReusablePrefixLength(longer.data(), longer.size(), {}), 29);
+  EXPECT_EQ(m.GetStats().shared_errors, errors + 1);
   m.CheckInvariants();
 }
 
