@@ -657,6 +657,7 @@ def test_get_reusable_prefix_length_probes_the_store_as_add_sequence_onboards(
         for i, prompt in enumerate(probes):
             hits = b.get_kv_cache_stats().shared_hits
             want = b.get_reusable_prefix_length(prompt)
+            assert b.get_reusable_prefix_length(b.prepare(prompt)) == want  # the same probe
             got = b.add_sequence(100 + i, prompt)
             assert want == got, (setup, seed, len(prompt), gone, want, got)
             onboarded = b.get_kv_cache_stats().shared_hits > hits
