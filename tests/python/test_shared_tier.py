@@ -638,8 +638,10 @@ def test_get_reusable_prefix_length_probes_the_store_as_add_sequence_onboards(
     from_store = local_only = cut = 0
     for seed in range(3):
         client.flushall()
-        a = make(server.url, max_attention_window=window, blocks=blocks)
-        b = make(server.url, max_attention_window=window, blocks=blocks)
+        # A long timeout: a loaded test machine must not turn a lookup into a timeout miss.
+        kw: dict[str, Any] = {"max_attention_window": window, "blocks": blocks}
+        a = make(server.url, shared_cache_timeout_ms=1000, **kw)
+        b = make(server.url, shared_cache_timeout_ms=1000, **kw)
         # A computes PROMPT (7 full blocks to the store); B computes its first 2 blocks itself.
         assert a.add_sequence(1, PROMPT) == 0 and b.add_sequence(1, PROMPT[:9]) == 0
         a.remove_sequence(1)
@@ -894,7 +896,7 @@ def test_a_store_watcher_keeps_the_router_exact_through_deletions_and_evictions(
     from kvcache.router import KvIndexer
     from kvcache.shared_cache import SharedStoreWatcher, clear_shared_cache
 
-    a, b = make(server.url), make(server.url)
+    a, b = (make(server.url, shared_cache_timeout_ms=1000) for _ in range(2))
     index = KvIndexer(shared_tier=True)
     index.add_engine("b")
     batcher = EventBatcher(a)
