@@ -102,6 +102,10 @@ def make(
     max_attention_window: list[int | None] | None = [SWA, None],  # noqa: B006 (never mutated)
     **kw: object,
 ) -> KVCacheManager:
+    if url is not None:
+        # A loaded test machine must not turn a lookup into a timeout miss: the tests of
+        # timeouts set their own.
+        kw.setdefault("shared_cache_timeout_ms", 1000)
     config = KvCacheConfig(
         tokens_per_block=4,
         backend="host",
@@ -638,10 +642,8 @@ def test_get_reusable_prefix_length_probes_the_store_as_add_sequence_onboards(
     from_store = local_only = cut = 0
     for seed in range(3):
         client.flushall()
-        # A long timeout: a loaded test machine must not turn a lookup into a timeout miss.
-        kw: dict[str, Any] = {"max_attention_window": window, "blocks": blocks}
-        a = make(server.url, shared_cache_timeout_ms=1000, **kw)
-        b = make(server.url, shared_cache_timeout_ms=1000, **kw)
+        a = make(server.url, max_attention_window=window, blocks=blocks)
+        b = make(server.url, max_attention_window=window, blocks=blocks)
         # A computes PROMPT (7 full blocks to the store); B computes its first 2 blocks itself.
         assert a.add_sequence(1, PROMPT) == 0 and b.add_sequence(1, PROMPT[:9]) == 0
         a.remove_sequence(1)
@@ -896,7 +898,7 @@ def test_a_store_watcher_keeps_the_router_exact_through_deletions_and_evictions(
     from kvcache.router import KvIndexer
     from kvcache.shared_cache import SharedStoreWatcher, clear_shared_cache
 
-    a, b = (make(server.url, shared_cache_timeout_ms=1000) for _ in range(2))
+    a, b = make(server.url), make(server.url)
     index = KvIndexer(shared_tier=True)
     index.add_engine("b")
     batcher = EventBatcher(a)
