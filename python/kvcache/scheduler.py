@@ -68,6 +68,7 @@ from collections.abc import Iterable, Sequence
 
 from kvcache import _core
 from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.families import family_arrays, unforked_beams, waiting_families
 from kvcache.resource_manager import (
     KVCacheResourceManager,
     Request,
@@ -193,6 +194,7 @@ class CapacityScheduler:
             self._chunk,
         )
         self._guaranteed = policy == "guaranteed_no_evict"
+        self._families = False  # a request with beams or a family was seen: pass families
         self._fits_checked: dict[int, int] = {}  # request id -> context length checked
         # The index form (add_request, then schedule()): requests in arrival order.
         self._rank: dict[int, int] = {}  # request id -> arrival rank
@@ -219,6 +221,25 @@ class CapacityScheduler:
         """The largest prefill chunk this scheduler schedules: ``max_chunk_size`` or the
         budget, whichever is smaller (``None``: whole prompts)."""
         return self._chunk
+
+    def blocks_to_run_alone(self, request: Request) -> dict[int, int]:
+        """Per window, the most blocks the request holds from an otherwise empty pool, its
+        prompt prefilled in this scheduler's chunks, nothing reused: its own sequence plus,
+        before its first fork, the ``num_beams - 1`` (or ``n - 1``) beams it forks after its
+        prompt (each charged ``KVCacheManager.get_forked_beam_blocks``)."""
+        alone = self._native.blocks_to_run_alone(
+            request.context_len, request.max_kv_tokens, unforked_beams(request)
+        )
+        return dict(zip(self._rm.window_sizes, (int(n) for n in alone), strict=True))
+
+    def never_fits(self, request: Request) -> bool:
+        """Whether the request can never run: longer than ``max_seq_len``, or
+        :meth:`blocks_to_run_alone` beyond some window's whole pool."""
+        return bool(
+            self._native.never_fits(
+                request.context_len, request.max_kv_tokens, unforked_beams(request)
+            )
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues a new request for the index form of :meth:`schedule` (``schedule()`` with no
@@ -347,14 +368,32 @@ class CapacityScheduler:
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
         if ids is None:
             ids = [r.request_id for r in running]
-        gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
-            ids,
-            None,
-            drafts,
-            [r.request_id for r in candidates],
-            [rm._prompt(r) for r in candidates],
-            [r.max_kv_tokens for r in candidates],
-        )
+        if not self._families and rm._forked:
+            self._families = True
+        fams = family_arrays(running, candidates) if self._families else None
+        if fams is None:
+            gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
+                ids,
+                None,
+                drafts,
+                [r.request_id for r in candidates],
+                [rm._prompt(r) for r in candidates],
+                [r.max_kv_tokens for r in candidates],
+            )
+        else:
+            gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
+                ids,
+                fams[2],
+                drafts,
+                [r.request_id for r in candidates],
+                [rm._prompt(r) for r in candidates],
+                [r.max_kv_tokens for r in candidates],
+                families=fams[0],
+                beams=fams[1],
+                candidate_families=fams[3],
+                candidate_beams=fams[4],
+                waiting_families=waiting_families(source),
+            )
         taken = out._taken
         for i in paused:
             r = running[i]
@@ -390,7 +429,10 @@ class CapacityScheduler:
         n = r.context_len
         if self._fits_checked.get(r.request_id) == n:
             return False
-        if self._native.never_fits(n, r.max_kv_tokens):
+        beams = unforked_beams(r)
+        if beams or r.family_id is not None:
+            self._families = True
+        if self._native.never_fits(n, r.max_kv_tokens, beams):
             self._fits_checked.pop(r.request_id, None)
             return True
         self._fits_checked[r.request_id] = n
