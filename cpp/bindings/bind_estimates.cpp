@@ -283,6 +283,20 @@ void BindEstimates(py::module_& m) {
           py::arg("prompt_len"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
           "Per window: the most blocks a sequence holds from registration to final_tokens tokens, nothing reused.")
       .def(
+          "get_family_remaining_blocks",
+          [](const M& self, const py::handle& ids, FinalTokens final) -> std::optional<py::tuple> {
+            std::vector<SeqId> v;
+            ToRequestIds(ids, "request ids", &v);
+            std::vector<std::int64_t> remaining, refs;
+            if (!self.GetFamilyRemainingBlocks(v.data(), v.size(), final.value, &remaining, &refs)) return std::nullopt;
+            return py::make_tuple(remaining, refs);
+          },
+          py::arg("request_ids"), py::arg("final_tokens"),
+          "A beam family's free blocks to completion, its shared blocks counted once: (per window the most free "
+          "blocks the registered beams request_ids take together while growing in lockstep to final_tokens "
+          "tokens, per window the family's own extra holdings of shared blocks in windows that release blocks); "
+          "None if the beams are not in lockstep (one in prefill, different lengths or released fronts).")
+      .def(
           "get_forked_beam_blocks",
           [](const M& self, ForkTokens n, FinalTokens final) { return self.GetForkedBeamBlocks(n.value, final.value); },
           py::arg("fork_tokens"), py::arg("final_tokens"),

@@ -151,8 +151,56 @@ std::int64_t CapacityScheduler::PlanFamilies(const SeqId* running, const std::in
 
 std::vector<std::int64_t> CapacityScheduler::Reserve(const SeqId* running, const std::int32_t* final_tokens,
                                                      std::size_t n, const std::int32_t* beams) {
-  std::vector<std::int64_t> committed = manager_->GetRemainingBlocks(running, final_tokens, n, config_.chunk, false);
-  for (std::size_t w = 0; w < windows_.size(); ++w) committed[w] += manager_->GetNumSharedBlocks(windows_[w]);
+  if (families_ == nullptr) {
+    std::vector<std::int64_t> committed = manager_->GetRemainingBlocks(running, final_tokens, n, config_.chunk, false);
+    for (std::size_t w = 0; w < windows_.size(); ++w) committed[w] += manager_->GetNumSharedBlocks(windows_[w]);
+    return committed;
+  }
+  // A family of several running beams in lockstep is charged as one: its shared blocks once,
+  // each beam's own future blocks (KVCacheManager::GetFamilyRemainingBlocks); its own extra
+  // holdings leave the shared-block reserve. The rest: each request alone.
+  std::unordered_map<SeqId, std::vector<std::size_t>> groups;
+  std::vector<std::size_t> singles;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (families_[i] >= 0) {
+      groups[families_[i]].push_back(i);
+    } else {
+      singles.push_back(i);
+    }
+  }
+  std::vector<std::int64_t> committed(windows_.size(), 0);
+  std::vector<std::int64_t> reserve(windows_.size(), 0);
+  for (std::size_t w = 0; w < windows_.size(); ++w) reserve[w] = manager_->GetNumSharedBlocks(windows_[w]);
+  std::vector<SeqId> ids;
+  std::vector<std::int64_t> rest, refs;
+  for (const auto& [family, members] : groups) {
+    ids.clear();
+    std::int32_t final = 0;
+    for (const std::size_t i : members) {
+      ids.push_back(running[i]);
+      final = std::max(final, final_tokens != nullptr ? final_tokens[i] : manager_->max_seq_len());
+    }
+    if (members.size() < 2 || !manager_->GetFamilyRemainingBlocks(ids.data(), ids.size(), final, &rest, &refs)) {
+      singles.insert(singles.end(), members.begin(), members.end());
+      continue;
+    }
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      committed[w] += rest[w];
+      reserve[w] -= refs[w];
+    }
+  }
+  ids.clear();
+  std::vector<std::int32_t> finals;
+  for (const std::size_t i : singles) {
+    ids.push_back(running[i]);
+    finals.push_back(final_tokens != nullptr ? final_tokens[i] : manager_->max_seq_len());
+  }
+  if (!ids.empty()) {
+    rest = manager_->GetRemainingBlocks(ids.data(), final_tokens != nullptr ? finals.data() : nullptr, ids.size(),
+                                        config_.chunk, false);
+    for (std::size_t w = 0; w < windows_.size(); ++w) committed[w] += rest[w];
+  }
+  for (std::size_t w = 0; w < windows_.size(); ++w) committed[w] += std::max<std::int64_t>(0, reserve[w]);
   if (beams != nullptr) {  // beams not forked yet: each forks after the prompt and takes its own blocks
     for (std::size_t i = 0; i < n; ++i) {
       if (beams[i] <= 0) continue;

@@ -268,6 +268,12 @@ class KVCacheManager:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
         """
+    def get_family_remaining_blocks(
+        self, request_ids: typing.Any, final_tokens: typing.SupportsIndex
+    ) -> tuple | None:
+        """
+        A beam family's free blocks to completion, its shared blocks counted once: (per window the most free blocks the registered beams request_ids take together while growing in lockstep to final_tokens tokens, per window the family's own extra holdings of shared blocks in windows that release blocks); None if the beams are not in lockstep (one in prefill, different lengths or released fronts).
+        """
     def get_forked_beam_blocks(
         self, fork_tokens: typing.SupportsIndex, final_tokens: typing.SupportsIndex
     ) -> list[int]:
