@@ -126,11 +126,14 @@ std::int64_t CapacityScheduler::PlanFamilies(const SeqId* running, const std::in
       std::int64_t& t = family_tokens_[families_[i]];
       if (t == kFamilyWaits || t == kFamilySkips) continue;
       if (t != kFamilyRuns) {
-        if (left >= 0 && t > left) {
+        // A family larger than the whole budget decodes alone (as a whole prompt longer than
+        // the budget is prefilled alone): else it would never decode.
+        const bool alone = left == config_.max_num_batched_tokens && plan->generation.empty();
+        if (left >= 0 && t > left && !alone) {
           t = kFamilySkips;
           continue;
         }
-        if (left >= 0) left -= t;
+        if (left >= 0) left = std::max<std::int64_t>(0, left - t);
         t = kFamilyRuns;
       }
     }
@@ -339,11 +342,19 @@ StepPlan CapacityScheduler::Schedule(const SeqId* running, const std::int32_t* f
     for (std::size_t k = kept.size(); k-- > 0;) {
       const std::size_t i = kept[k];
       if (families_[i] < 0) continue;
-      const auto it = family_tokens_.find(families_[i]);
-      if (it != family_tokens_.end() && it->second == kFamilyWaits) {
-        PauseFamily(families_[i], running, &kept, &plan);
+      const SeqId family = families_[i];
+      const auto it = family_tokens_.find(family);
+      if (it == family_tokens_.end() || it->second != kFamilyWaits) continue;
+      bool alone = true;  // only this family holds blocks: its waiting members never fit
+      for (const std::size_t j : kept) alone = alone && families_[j] == family;
+      if (!alone) {
+        PauseFamily(family, running, &kept, &plan);
         break;
       }
+      for (std::size_t c = 0; c < num_candidates; ++c) {
+        if (candidates[c].family == family) plan.rejected.push_back(static_cast<std::int32_t>(c));
+      }
+      break;
     }
   }
   families_ = nullptr;

@@ -185,9 +185,9 @@ def test_step_estimates_count_one_copy_per_beam() -> None:
     assert m.get_step_needs([1, 2, 3], [1, 1, 1], [], []) == [2, 2]
     assert m.get_step_needs([1, 2], [1, 1], [], []) == [2, 2]  # 3 still holds it: both copy
     assert m.get_sequence_step_needs(1, 1) == [1, 1]
-    free = [m.get_num_free_blocks(w) for w in m.window_sizes]
+    free = {w: m.get_num_free_blocks(w) for w in m.window_sizes}
     m.add_tokens([1, 2, 3], [0, 0, 0])
-    assert [f - m.get_num_free_blocks(w) for f, w in zip(free, m.window_sizes)] == [2, 2]
+    assert [free[w] - m.get_num_free_blocks(w) for w in m.window_sizes] == [2, 2]
     assert m.get_step_needs([1, 2, 3], [1, 1, 1], [], []) == [0, 0]
 
 

@@ -89,8 +89,10 @@ class CapacityScheduler {
   /// chunks. max_utilization pauses whole families: the newest running request's family, every
   /// registered member of it. Waiting members are admitted in order like any request, so a
   /// resumed family's members come back before anything behind them; when nothing can run
-  /// because registered members wait for siblings that do not fit (max_utilization), the newest
-  /// such family is paused, so its blocks serve the siblings' admission in a later step.
+  /// because registered members wait for siblings that do not fit, the newest such family is
+  /// paused, so that its blocks serve the others in a later step, or, when it is the only one
+  /// running (nothing will ever free blocks for them), its waiting members are rejected. A
+  /// family whose tokens exceed the whole budget decodes alone.
   StepPlan Schedule(const SeqId* running, const std::int32_t* final_tokens, const std::int32_t* drafts,
                     std::size_t num_running, const AdmissionCandidate* candidates, std::size_t num_candidates,
                     const RunningFamilies& families = RunningFamilies{});
