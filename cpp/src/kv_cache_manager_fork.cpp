@@ -138,7 +138,12 @@ bool KVCacheManager::GetFamilyRemainingBlocks(const SeqId* ids, std::size_t n, s
   namespace bm = block_math;
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<const Sequence*> seqs(n);
-  for (std::size_t i = 0; i < n; ++i) seqs[i] = &Find(ids[i]);
+  for (std::size_t i = 0; i < n; ++i) {
+    seqs[i] = &Find(ids[i]);
+    for (std::size_t k = 0; k < i; ++k) {
+      if (ids[k] == ids[i]) ThrowInvalid("family remaining blocks: request id ", ids[i], " appears twice");
+    }
+  }
   if (n == 0) return false;
   const Sequence& first = *seqs[0];
   for (const Sequence* seq : seqs) {
