@@ -460,9 +460,22 @@ class CapacityScheduler:
                 if r.state in _WAITING and r.request_id not in registered:
                     self._insert(queue, r)
         self._running = kept
+        if self._families and len(kept) < len(registered):
+            self._adopt_forks(registered)
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
         return self._running
+
+    def _adopt_forks(self, registered: dict[int, Request]) -> None:
+        """Children that ``fork_resources`` registered join the index at their family's rank
+        (the family's first request was added with :meth:`add_request`)."""
+        rank = self._rank
+        known = {r.request_id for r in self._running}
+        for rid, r in registered.items():
+            family = r.family_id
+            if rid not in known and rid not in rank and family is not None and family in rank:
+                rank[rid] = rank[family]
+                self._insert(self._running, r)  # after its family, in the order forked
 
     def _reindex(self, out: SchedulerOutput, scanned: int) -> None:
         """Moves admitted requests from the queue's first ``scanned`` entries to the running
@@ -481,15 +494,17 @@ class CapacityScheduler:
         queue.extendleft(reversed(kept))
         for r in out.paused:
             self._running.remove(r)
+        for r in reversed(out.paused):  # paused newest first: a family goes back in its order
             self._insert(queue, r)
 
     def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
+        """Inserts by arrival rank, after the requests of the same rank (a family's)."""
         rank = self._rank
         key = rank.get(r.request_id, len(rank))
         lo, hi = 0, len(lst)
         while lo < hi:
             mid = (lo + hi) // 2
-            if rank.get(lst[mid].request_id, len(rank)) < key:
+            if rank.get(lst[mid].request_id, len(rank)) <= key:
                 lo = mid + 1
             else:
                 hi = mid

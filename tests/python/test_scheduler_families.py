@@ -225,3 +225,32 @@ def test_requests_without_families_schedule_as_before(policy: str) -> None:
         *args, families=[], beams=[], candidate_families=[-1] * 4, candidate_beams=[0] * 4
     )
     assert plain == with_families == ([], [], [], [], [0, 1], [5, 1], [], [])
+
+
+class IndexDriver(Driver):
+    """The same fake engine on the index form: ``add_request`` once, ``schedule()``."""
+
+    def step(self) -> Step:
+        sched = self.scheduler
+        original = sched.schedule
+        sched.schedule = lambda requests=None: original()  # type: ignore[method-assign]
+        try:
+            return super().step()
+        finally:
+            sched.schedule = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_index_form_schedules_families_as_the_list_form(reuse: bool) -> None:
+    logs = []
+    for driver in (Driver, IndexDriver):
+        rm = make_rm(7, reuse=reuse)
+        sched = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=None)
+        d = driver(sched, rm)
+        d.active = [Request(0, list(range(8)), 5), Request(1, list(range(10, 16)), 6, num_beams=3)]
+        if driver is IndexDriver:
+            for r in d.active:
+                sched.add_request(r)
+        logs.append(d.run())
+    assert logs[0] == logs[1]
+    assert ([], [0], [101, 100, 1], []) in logs[1]  # the whole family paused
