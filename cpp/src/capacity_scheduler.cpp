@@ -49,6 +49,7 @@ std::vector<std::int64_t> CapacityScheduler::BlocksToRunAlone(std::int32_t conte
 
 bool CapacityScheduler::NeverFits(std::int32_t context_len, std::int32_t final_tokens, std::int32_t beams) const {
   if (final_tokens > manager_->max_seq_len()) return true;
+  if (beams >= config_.max_batch_size) return true;  // its beams never fit the batch
   const std::vector<std::int64_t> alone = BlocksToRunAlone(context_len, final_tokens, beams);
   std::map<WindowSize, std::int32_t> need;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
@@ -270,6 +271,7 @@ std::vector<std::int64_t> CapacityScheduler::FitRunning(const SeqId* running, st
 }
 
 void CapacityScheduler::Admit(const AdmissionCandidate* candidates, std::size_t n, std::size_t num_running,
+                              std::size_t slots,
                               std::vector<std::int64_t> committed, std::int64_t left, StepPlan* plan) {
   const bool guaranteed = config_.policy == CapacityPolicy::kGuaranteedNoEvict;
   bool blocked = !plan->paused.empty();  // no admissions in a step that had to pause
@@ -277,7 +279,9 @@ void CapacityScheduler::Admit(const AdmissionCandidate* candidates, std::size_t 
   std::vector<std::int64_t> wanted(windows_.size());
   for (std::size_t k = 0; k < n && !blocked; ++k) {
     const AdmissionCandidate& c = candidates[k];
-    if (num_running + admitted >= static_cast<std::size_t>(config_.max_batch_size)) break;
+    // Its beams fork into batch slots of their own (fork_sequence refuses more than the batch).
+    const std::size_t take = 1 + static_cast<std::size_t>(std::max<std::int32_t>(0, c.beams));
+    if (slots + take > static_cast<std::size_t>(config_.max_batch_size)) break;
     const auto context_len = static_cast<std::int64_t>(c.context->tokens.size());
     const std::size_t batch = plan->generation.size() + plan->chunks.size() + admitted;
     if (config_.chunked_prefill && left == 0) break;
@@ -294,6 +298,7 @@ void CapacityScheduler::Admit(const AdmissionCandidate* candidates, std::size_t 
     for (std::size_t w = 0; w < windows_.size(); ++w) wanted[w] = committed[w] + need[w];
     if (Fits(wanted)) {
       committed = wanted;
+      slots += take;
       plan->admitted.push_back(static_cast<std::int32_t>(k));
       plan->admitted_chunks.push_back(size);
       ++admitted;
@@ -330,7 +335,14 @@ StepPlan CapacityScheduler::Schedule(const SeqId* running, const std::int32_t* f
     committed = FitRunning(running, &kept, &plan);
     still_running = kept.size();
   }
-  Admit(candidates, num_candidates, still_running, std::move(committed), left, &plan);
+  std::size_t slots = still_running;
+  if (families.beams != nullptr) {  // the running requests' beams still to fork
+    for (std::size_t k = 0; k < (kept.empty() ? num_running : kept.size()); ++k) {
+      const std::size_t i = kept.empty() ? k : kept[k];
+      slots += static_cast<std::size_t>(std::max<std::int32_t>(0, families.beams[i]));
+    }
+  }
+  Admit(candidates, num_candidates, still_running, slots, std::move(committed), left, &plan);
   if (families_ != nullptr && plan.generation.empty() && plan.chunks.empty() && plan.admitted.empty() &&
       plan.paused.empty() && still_running > 0) {
     // Nothing runs: the registered members of some family wait for siblings that do not fit.

@@ -667,6 +667,11 @@ class Engine:
                     f"max_seq_len={limit}"
                 )
             r = Request(self._next_id + i, tokens, max_new_tokens, num_beams=num_beams, n=n)
+            if r.num_sequences > self._manager.max_batch_size:
+                raise ValueError(
+                    f"{r.num_sequences} beams or samples exceed max_batch_size="
+                    f"{self._manager.max_batch_size}: each is a sequence of its own"
+                )
             need = self._scheduler.blocks_to_run_alone(r)  # its beams included
             if self._scheduler.never_fits(r):
                 pools = ", ".join(f"window {w}: {self._primary[w]}" for w in self._windows)

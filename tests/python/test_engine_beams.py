@@ -259,6 +259,8 @@ def test_bad_fork_arguments_are_refused_and_the_engine_stays_usable() -> None:
         engine.generate([[1, 2]], 2, num_beams=2, early_stopping="soon")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         engine.generate_detailed([[1, 2]], 2, n=2, temperature=0.0)
+    with pytest.raises(ValueError, match="17 beams or samples exceed max_batch_size=16"):
+        engine.generate([[1, 2]], 2, num_beams=17)
     with pytest.raises(ValueError, match="length_penalty must be a float"):
         engine.generate([[1, 2]], 2, num_beams=2, length_penalty="long")  # type: ignore[arg-type]
     assert engine.manager.num_sequences == 0

@@ -254,3 +254,26 @@ def test_index_form_schedules_families_as_the_list_form(reuse: bool) -> None:
         logs.append(d.run())
     assert logs[0] == logs[1]
     assert ([], [0], [101, 100, 1], []) in logs[1]  # the whole family paused
+
+
+def test_admission_keeps_batch_slots_for_the_beams_to_fork() -> None:
+    """max_batch_size 8: two 4-beam prompts take every slot once forked, so the single request
+    behind them waits (admitting it would make the second fork exceed the batch); 9 beams can
+    never fit."""
+    rm = make_rm(64)
+    sched = CapacityScheduler(rm, "max_utilization", max_num_batched_tokens=None)
+    d = Driver(sched, rm)
+    too_many = Request(3, [1, 2], 2, num_beams=9)
+    assert sched.never_fits(too_many)
+    d.active = [
+        Request(0, [1, 2, 3], 3, num_beams=4),
+        Request(1, [4, 5, 6], 2, num_beams=4),
+        Request(2, [7, 8], 2),
+        too_many,
+    ]
+    assert d.run() == [
+        ([(0, 3), (1, 3)], [], [], [3]),
+        ([], [0, 100, 101, 102, 1, 103, 104, 105], [], []),
+        ([(2, 2)], [0, 100, 101, 102], [], []),
+        ([], [2], [], []),
+    ]

@@ -99,7 +99,8 @@ class CapacityScheduler {
 
   /// Whether a request can never run: longer than max_seq_len, or its peak beyond some window's
   /// whole pool (its prompt in this scheduler's chunks), with `beams` more beams forked from it
-  /// after its prompt (each charged KVCacheManager::GetForkedBeamBlocks).
+  /// after its prompt (each charged KVCacheManager::GetForkedBeamBlocks), or 1 + `beams`
+  /// sequences beyond max_batch_size.
   bool NeverFits(std::int32_t context_len, std::int32_t final_tokens, std::int32_t beams = 0) const;
   /// Per window, the most blocks such a request holds from an otherwise empty pool: its own
   /// sequence (KVCacheManager::GetBlocksToRunAlone, this scheduler's chunks) plus `beams` forked
@@ -139,7 +140,9 @@ class CapacityScheduler {
                 std::vector<std::int64_t>* out) const;
   std::vector<std::int64_t> PlanNeeds(const StepPlan& plan, bool with_chunks) const;
   /// Admits candidates in order while the budget, the batch size and the windows allow.
-  void Admit(const AdmissionCandidate* candidates, std::size_t n, std::size_t num_running,
+  /// `slots`: the batch slots the running requests take, their beams still to fork included
+  /// (a candidate takes 1 + its beams).
+  void Admit(const AdmissionCandidate* candidates, std::size_t n, std::size_t num_running, std::size_t slots,
              std::vector<std::int64_t> committed, std::int64_t left, StepPlan* plan);
   bool Fits(const std::vector<std::int64_t>& blocks) const;
 
