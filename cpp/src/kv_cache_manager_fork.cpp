@@ -160,6 +160,9 @@ bool KVCacheManager::GetFamilyRemainingBlocks(const SeqId* ids, std::size_t n, s
   const auto k = static_cast<std::int64_t>(n);
   const std::int64_t tail = bm::CeilDiv(cur, tpb_);               // positions with blocks
   const std::int64_t part = cur % tpb_ != 0 ? cur / tpb_ : -1;    // the partial block's position
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (static_cast<std::int64_t>(first.windows[w].blocks.size()) != tail) return false;
+  }
   remaining->assign(windows_.size(), 0);
   family_refs->assign(windows_.size(), 0);
   std::vector<std::pair<BlockId, std::int32_t>> held;  // (block, position), one per holder
