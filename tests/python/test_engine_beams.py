@@ -131,23 +131,26 @@ def test_beam_search_matches_hf_generate(family: str, k: int, lp: float, es: boo
     assert engine.manager.num_sequences == 0
 
 
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_beam_families_on_a_14_block_pool_run_to_completion(family: str) -> None:
+def test_beam_families_on_a_14_block_pool_run_to_completion(family: str, policy: str) -> None:
     """Three 4-beam families on 14 blocks per window: each fits the empty pools, not all at
-    once. The scheduler pauses and resumes whole families (gemma2 used to end with "the
-    beams of a request do not fit" RuntimeError, its beams paused for good); every beam is
-    still HF's."""
+    once. max_utilization pauses and resumes whole families (gemma2 used to end with "the
+    beams of a request do not fit" RuntimeError, its beams paused for good);
+    guaranteed_no_evict admits a family only with its beams' blocks and never pauses. Every
+    beam is still HF's."""
     model = _model(family)
     model.generation_config.eos_token_id = None
     prompts = _prompts()
-    engine = _engine(family, blocks=14)
+    engine = _engine(family, blocks=14, policy=policy)
     result = engine.generate_detailed(prompts, NEW, num_beams=4)
     for prompt, seqs, scores in zip(prompts, result.sequences, result.scores, strict=True):
         ref = _hf_beams(family, prompt, 4, 1.0, False)
         assert seqs == [ref.sequences[j, len(prompt) :].tolist() for j in range(4)]
         torch.testing.assert_close(torch.tensor(scores), ref.sequences_scores, atol=1e-4, rtol=0)
     stats = engine.stats()
-    assert stats.preemptions > 0 and stats.peak_used_blocks[WINDOW] <= 14
+    assert (stats.preemptions > 0) == (policy == "max_utilization")
+    assert stats.peak_used_blocks[WINDOW] <= 14
     engine.manager.check_invariants()
     assert engine.manager.num_sequences == 0
 
