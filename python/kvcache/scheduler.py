@@ -39,6 +39,12 @@ the extra holdings of sliding window blocks that several running requests share
 (:meth:`KVCacheResourceManager.get_num_shared_blocks`): only the last holder's release frees
 such a block.
 
+Beam families (:mod:`kvcache.families`): the requests sharing a :attr:`Request.family_id`
+(the beams or samples ``fork_resources`` made) decode all in one step or not at all, and
+only once every member is back after a pause; ``max_utilization`` pauses whole families;
+``guaranteed_no_evict`` charges a family's shared blocks once; a request's beams still to fork
+are charged at admission (blocks and batch slots) and in the never-fits check.
+
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
     >>> from kvcache.resource_manager import KVCacheResourceManager, Request
@@ -91,7 +97,8 @@ class SchedulerOutput:
     Attributes:
         batch: Requests to run in the next step (context requests with their chunk sizes,
             generation requests with their draft-token counts).
-        paused: Running requests that were paused and freed (``max_utilization`` only).
+        paused: Running requests that were paused and freed (``max_utilization``, or a beam
+            family stuck waiting for siblings that do not fit), newest first.
         rejected: Requests that can never fit; their state is ``FAILED``.
         waiting: Requests left waiting (built when first read: read it before the next
             ``schedule`` call).
