@@ -150,14 +150,22 @@ void BindScheduler(py::module_& m) {
            }),
            py::arg("manager"), py::arg("policy"), py::arg("max_batch_size"), py::arg("max_num_batched_tokens"),
            py::arg("chunked_prefill"), py::arg("chunk"), py::keep_alive<1, 2>())
-      .def("never_fits", &S::NeverFits, py::arg("context_len"), py::arg("final_tokens"),
-           "Whether a request can never run: longer than max_seq_len or beyond some window's pool.")
+      .def("never_fits", &S::NeverFits, py::arg("context_len"), py::arg("final_tokens"), py::arg("beams") = 0,
+           "Whether a request can never run: longer than max_seq_len or beyond some window's pool (with beams "
+           "more beams forked from it after its prompt).")
+      .def("blocks_to_run_alone", &S::BlocksToRunAlone, py::arg("context_len"), py::arg("final_tokens"),
+           py::arg("beams") = 0,
+           "Per window: the most blocks such a request holds from an otherwise empty pool, its beams included.")
       .def(
           "schedule",
           [](S& self, const py::handle& running_ids, const std::optional<std::vector<std::int32_t>>& finals,
              const std::optional<std::vector<std::int32_t>>& drafts, const std::vector<SeqId>& candidate_ids,
              const std::vector<std::shared_ptr<PreparedPrompt>>& contexts,
-             const std::vector<std::int32_t>& candidate_finals) {
+             const std::vector<std::int32_t>& candidate_finals, const std::optional<std::vector<SeqId>>& families,
+             const std::optional<std::vector<std::int32_t>>& beams,
+             const std::optional<std::vector<SeqId>>& candidate_families,
+             const std::optional<std::vector<std::int32_t>>& candidate_beams,
+             const std::optional<std::vector<SeqId>>& waiting_families) {
             // The running ids as the per-step methods read them (a list of ints, or a 1-D array).
             thread_local std::vector<SeqId> running;
             ToRequestIds(running_ids, "running", &running);
@@ -167,22 +175,44 @@ void BindScheduler(py::module_& m) {
             if (contexts.size() != candidate_ids.size() || candidate_finals.size() != candidate_ids.size()) {
               ThrowInvalid("schedule: candidate ids, contexts and final tokens must pair up");
             }
+            if ((families && families->size() != running.size()) || (beams && beams->size() != running.size())) {
+              ThrowInvalid("schedule: running, families and beams must pair up");
+            }
+            if ((candidate_families && candidate_families->size() != candidate_ids.size()) ||
+                (candidate_beams && candidate_beams->size() != candidate_ids.size())) {
+              ThrowInvalid("schedule: candidate ids, families and beams must pair up");
+            }
             std::vector<AdmissionCandidate> candidates(candidate_ids.size());
             for (std::size_t k = 0; k < candidates.size(); ++k) {
-              candidates[k] = AdmissionCandidate{candidate_ids[k], contexts[k].get(), candidate_finals[k]};
+              candidates[k] = AdmissionCandidate{candidate_ids[k], contexts[k].get(), candidate_finals[k],
+                                                 candidate_families ? (*candidate_families)[k] : -1,
+                                                 candidate_beams ? (*candidate_beams)[k] : 0};
+            }
+            RunningFamilies fams;
+            if (families) fams.family = families->data();
+            if (beams) fams.beams = beams->data();
+            if (waiting_families) {
+              if (!families) ThrowInvalid("schedule: waiting_families needs families");
+              fams.waiting = waiting_families->data();
+              fams.num_waiting = waiting_families->size();
             }
             StepPlan p = self.Schedule(running.data(), finals ? finals->data() : nullptr, drafts ? drafts->data() : nullptr,
-                                       running.size(), candidates.data(), candidates.size());
+                                       running.size(), candidates.data(), candidates.size(), fams);
             // Running requests by their index in `running`: the caller holds them in that order.
             auto positions = [](const std::vector<SeqId>& ids) { return PositionsIn(running, ids); };
             return py::make_tuple(positions(p.generation), p.drafts, positions(p.chunks), p.chunk_sizes, p.admitted,
                                   p.admitted_chunks, positions(p.paused), p.rejected);
           },
           py::arg("running"), py::arg("final_tokens"), py::arg("drafts"), py::arg("candidate_ids"),
-          py::arg("contexts"), py::arg("candidate_final_tokens"),
+          py::arg("contexts"), py::arg("candidate_final_tokens"), py::kw_only(), py::arg("families") = py::none(),
+          py::arg("beams") = py::none(), py::arg("candidate_families") = py::none(),
+          py::arg("candidate_beams") = py::none(), py::arg("waiting_families") = py::none(),
           "Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, "
           "paused, rejected candidates), requests as indices into running or the candidates. Paused requests "
-          "are removed from the manager.");
+          "are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family "
+          "decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request "
+          "(guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which "
+          "do not decode.");
   RejectSecondInit(cls);
 }
 
@@ -252,6 +282,20 @@ void BindEstimates(py::module_& m) {
           },
           py::arg("prompt_len"), py::arg("final_tokens"), py::kw_only(), py::arg("chunk_size") = py::none(),
           "Per window: the most blocks a sequence holds from registration to final_tokens tokens, nothing reused.")
+      .def(
+          "get_family_remaining_blocks",
+          [](const M& self, const py::handle& ids, FinalTokens final) -> std::optional<py::tuple> {
+            std::vector<SeqId> v;
+            ToRequestIds(ids, "request ids", &v);
+            std::vector<std::int64_t> remaining, refs;
+            if (!self.GetFamilyRemainingBlocks(v.data(), v.size(), final.value, &remaining, &refs)) return std::nullopt;
+            return py::make_tuple(remaining, refs);
+          },
+          py::arg("request_ids"), py::arg("final_tokens"),
+          "A beam family's free blocks to completion, its shared blocks counted once: (per window the most free "
+          "blocks the registered beams request_ids take together while growing in lockstep to final_tokens "
+          "tokens, per window the family's own extra holdings of shared blocks in windows that release blocks); "
+          "None if the beams are not in lockstep (one in prefill, different lengths or released fronts).")
       .def(
           "get_forked_beam_blocks",
           [](const M& self, ForkTokens n, FinalTokens final) { return self.GetForkedBeamBlocks(n.value, final.value); },

@@ -83,6 +83,11 @@ std::vector<std::int64_t> KVCacheManager::GetStepNeeds(const SeqId* gen_ids, con
         total[static_cast<std::size_t>(j)] += last;
       }
     }
+    // The first call's copies of shared partial blocks: the last writer of one keeps it.
+    if (calls > 0) {
+      const std::int64_t kept = KeptCopies(gen_ids, num_gen, w);
+      for (std::int64_t& t : total) t -= kept;
+    }
     std::int64_t prefill = 0;
     for (std::size_t i = 0; i < num_chunks; ++i) prefill += ChunkNeed(Find(chunk_ids[i]), w, chunk_tokens[i], true);
     std::int64_t worst = calls > 0 ? total.back() + prefill : prefill;

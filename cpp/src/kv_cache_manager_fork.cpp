@@ -4,7 +4,10 @@
 // Rewind.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
+
+#include "kvcache/block_math.h"
 
 #include "kvcache/errors.h"
 #include "kvcache/kv_cache_manager.h"
@@ -105,6 +108,118 @@ void KVCacheManager::CopyOnWrite(Sequence& seq, std::size_t w, std::int32_t j, s
   ++counters_[w].alloc_total;
   ++counters_[w].alloc_new;
   ++seq.new_blocks;
+}
+
+std::int64_t KVCacheManager::KeptCopies(const SeqId* ids, std::size_t n, std::size_t w) const {
+  if (!forked_) return 0;
+  const WindowBlockManager& wm = *windows_[w];
+  std::vector<BlockId> written;  // the shared partial blocks written, one per writer
+  for (std::size_t i = 0; i < n; ++i) {
+    const Sequence& seq = Find(ids[i]);
+    if (seq.num_tokens % tpb_ == 0) continue;
+    const std::int32_t j = seq.num_tokens / tpb_;
+    if (!IsPrivate(seq, w, j)) written.push_back(seq.windows[w].blocks[static_cast<std::size_t>(j)]);
+  }
+  std::sort(written.begin(), written.end());
+  std::int64_t kept = 0;
+  for (std::size_t i = 0; i < written.size();) {
+    std::size_t j = i;
+    while (j < written.size() && written[j] == written[i]) ++j;
+    const BlockId b = written[i];
+    if (static_cast<std::int32_t>(j - i) == wm.RefCount(b) && wm.NodeOf(b) == kNoNode && !wm.HasReleasers(b)) ++kept;
+    i = j;
+  }
+  return kept;
+}
+
+bool KVCacheManager::GetFamilyRemainingBlocks(const SeqId* ids, std::size_t n, std::int32_t final_tokens,
+                                              std::vector<std::int64_t>* remaining,
+                                              std::vector<std::int64_t>* family_refs) const {
+  namespace bm = block_math;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<const Sequence*> seqs(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    seqs[i] = &Find(ids[i]);
+    for (std::size_t k = 0; k < i; ++k) {
+      if (ids[k] == ids[i]) ThrowInvalid("family remaining blocks: request id ", ids[i], " appears twice");
+    }
+  }
+  if (n == 0) return false;
+  const Sequence& first = *seqs[0];
+  for (const Sequence* seq : seqs) {
+    if (seq->InPrefill() || seq->num_tokens != first.num_tokens) return false;
+    for (std::size_t w = 0; w < windows_.size(); ++w) {
+      if (seq->windows[w].front_null != first.windows[w].front_null ||
+          seq->windows[w].blocks.size() != first.windows[w].blocks.size()) {
+        return false;
+      }
+    }
+  }
+  const std::int64_t cur = first.num_tokens;
+  const std::int64_t final = std::max<std::int64_t>(final_tokens, cur);
+  const auto k = static_cast<std::int64_t>(n);
+  const std::int64_t tail = bm::CeilDiv(cur, tpb_);               // positions with blocks
+  const std::int64_t part = cur % tpb_ != 0 ? cur / tpb_ : -1;    // the partial block's position
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    if (static_cast<std::int64_t>(first.windows[w].blocks.size()) != tail) return false;
+  }
+  remaining->assign(windows_.size(), 0);
+  family_refs->assign(windows_.size(), 0);
+  std::vector<std::pair<BlockId, std::int32_t>> held;  // (block, position), one per holder
+  for (std::size_t w = 0; w < windows_.size(); ++w) {
+    const WindowBlockManager& wm = *windows_[w];
+    const std::int32_t front = first.windows[w].front_null;
+    held.clear();
+    for (const Sequence* seq : seqs) {
+      const std::vector<BlockId>& blocks = seq->windows[w].blocks;
+      for (std::size_t j = static_cast<std::size_t>(front); j < blocks.size(); ++j) {
+        held.emplace_back(blocks[j], static_cast<std::int32_t>(j));
+      }
+    }
+    std::sort(held.begin(), held.end());
+    // Per position: distinct blocks the family holds (`now`) and those someone else holds too
+    // (`kept`: the family's release frees nothing).
+    const auto span = static_cast<std::size_t>(std::max<std::int64_t>(0, tail - front));
+    std::vector<std::int64_t> now(span, 0), kept(span, 0);
+    for (std::size_t i = 0; i < held.size();) {
+      std::size_t j = i;
+      while (j < held.size() && held[j].first == held[i].first) ++j;
+      const auto holders = static_cast<std::int32_t>(j - i);
+      const auto p = static_cast<std::size_t>(held[i].second - front);
+      ++now[p];
+      if (wm.RefCount(held[i].first) > holders) ++kept[p];
+      if (bm::Releases(keep_[w])) (*family_refs)[w] += holders - 1;
+      i = j;
+    }
+    std::int64_t base = 0;
+    for (const std::int64_t c : now) base += c;
+    // Usage after m tokens: every position at or past the released front holds its distinct
+    // blocks (the partial one: one private block per beam once written), released ones what
+    // others keep, and each beam's new positions its own block.
+    auto usage = [&](std::int64_t m) {
+      const std::int64_t rel = std::max<std::int64_t>(front, bm::Released(m, keep_[w], tpb_));
+      std::int64_t u = 0;
+      for (std::int64_t p = front; p < tail; ++p) {
+        const auto q = static_cast<std::size_t>(p - front);
+        if (p < rel) {
+          u += kept[q];
+        } else {
+          u += p == part ? k + kept[q] : now[q];
+        }
+      }
+      return u + k * std::max<std::int64_t>(0, bm::CeilDiv(m, tpb_) - std::max(tail, rel));
+    };
+    std::int64_t peak = base;
+    if (final > cur) {
+      // Without releases usage only grows; with them it is periodic (period tpb) once every
+      // held position was released, so the first block positions after that suffice.
+      const std::int64_t last = bm::Releases(keep_[w]) ? std::min(final, keep_[w] + tpb_ * (tail + 2)) : cur + 1;
+      for (std::int64_t m = cur + 1; m <= last; ++m) peak = std::max(peak, usage(m));
+      peak = std::max(peak, usage(final));
+    }
+    (*remaining)[w] = std::max<std::int64_t>(0, peak - base);
+  }
+  return true;
 }
 
 }  // namespace kvcache

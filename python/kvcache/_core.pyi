@@ -268,6 +268,12 @@ class KVCacheManager:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
         """
+    def get_family_remaining_blocks(
+        self, request_ids: typing.Any, final_tokens: typing.SupportsIndex
+    ) -> tuple | None:
+        """
+        A beam family's free blocks to completion, its shared blocks counted once: (per window the most free blocks the registered beams request_ids take together while growing in lockstep to final_tokens tokens, per window the family's own extra holdings of shared blocks in windows that release blocks); None if the beams are not in lockstep (one in prefill, different lengths or released fronts).
+        """
     def get_forked_beam_blocks(
         self, fork_tokens: typing.SupportsIndex, final_tokens: typing.SupportsIndex
     ) -> list[int]:
@@ -444,13 +450,23 @@ class CapacityScheduler:
         chunked_prefill: bool,
         chunk: typing.SupportsInt | typing.SupportsIndex | None,
     ) -> None: ...
+    def blocks_to_run_alone(
+        self,
+        context_len: typing.SupportsInt | typing.SupportsIndex,
+        final_tokens: typing.SupportsInt | typing.SupportsIndex,
+        beams: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> list[int]:
+        """
+        Per window: the most blocks such a request holds from an otherwise empty pool, its beams included.
+        """
     def never_fits(
         self,
         context_len: typing.SupportsInt | typing.SupportsIndex,
         final_tokens: typing.SupportsInt | typing.SupportsIndex,
+        beams: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> bool:
         """
-        Whether a request can never run: longer than max_seq_len or beyond some window's pool.
+        Whether a request can never run: longer than max_seq_len or beyond some window's pool (with beams more beams forked from it after its prompt).
         """
     def schedule(
         self,
@@ -460,11 +476,20 @@ class CapacityScheduler:
         candidate_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
         contexts: collections.abc.Sequence[PreparedPrompt],
         candidate_final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        *,
+        families: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None,
+        beams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None,
+        candidate_families: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        | None = None,
+        candidate_beams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        | None = None,
+        waiting_families: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        | None = None,
     ) -> tuple[
         list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]
     ]:
         """
-        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager.
+        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request (guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which do not decode.
         """
 
 def _block_hashes(

@@ -49,7 +49,6 @@ from kvcache.resource_manager import (
     KVCacheResourceManager,
     Request,
     RequestState,
-    ScheduledBatch,
 )
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
 from kvcache.sizing import parse_size
@@ -668,14 +667,20 @@ class Engine:
                     f"max_seq_len={limit}"
                 )
             r = Request(self._next_id + i, tokens, max_new_tokens, num_beams=num_beams, n=n)
-            need = self._rm.get_blocks_to_run_alone(r, chunk_size=self._scheduler.max_chunk_size)
-            if not self._rm.fits_when_empty(need):
+            if r.num_sequences > self._manager.max_batch_size:
+                raise ValueError(
+                    f"{r.num_sequences} beams or samples exceed max_batch_size="
+                    f"{self._manager.max_batch_size}: each is a sequence of its own"
+                )
+            need = self._scheduler.blocks_to_run_alone(r)  # its beams included
+            if self._scheduler.never_fits(r):
                 pools = ", ".join(f"window {w}: {self._primary[w]}" for w in self._windows)
                 wants = ", ".join(f"window {w}: {n}" for w, n in need.items())
+                beams = f" with {r.num_sequences} beams" if r.num_sequences > 1 else ""
                 raise ValueError(
-                    f"prompt {i}: {len(tokens)} tokens + {max_new_tokens} new can never fit "
-                    f"the KV pools (blocks: {pools}; it needs {wants}); give more memory or "
-                    "fewer new tokens"
+                    f"prompt {i}: {len(tokens)} tokens + {max_new_tokens} new{beams} can never "
+                    f"fit the KV pools (blocks: {pools}; it needs {wants}); give more memory or "
+                    f"fewer new tokens{' or beams' if beams else ''}"
                 )
             out.append(r)
         self._next_id += len(out)
@@ -708,29 +713,19 @@ class Engine:
         logits: dict[int, torch.Tensor],
         forks: _Forks | None = None,
     ) -> None:
-        before = {r.request_id: r.state for r in active} if forks is not None else {}
         out = self._scheduler.schedule(active)
-        if out.rejected and forks is not None and forks.pause_newest():
-            # Beams waiting for their family held the blocks the scheduler did not see (they
-            # are not in its list): every prompt fit the empty pools when generate began.
-            for r in out.rejected:
-                r.state = before[r.request_id]
-            return
         if out.rejected:
             r = out.rejected[0]
             raise RuntimeError(
                 f"request {r.request_id} ({r.context_len} tokens) can never fit the KV pools"
             )
         self._counters["preemptions"] += len(out.paused)
-        batch = out.batch if forks is None else forks.pause_families(out.paused, out.batch)
+        if forks is not None and out.paused:
+            forks.paused(out.paused)
+        batch = out.batch
         if len(batch) == 0:
-            if forks is not None and forks.pause_newest():
-                return  # a family waiting for its beams gave its blocks back: schedule again
-            if forks is not None and out.paused:
-                raise RuntimeError(
-                    "the beams of a request do not fit the KV pools together (the scheduler "
-                    "paused them with nothing else running); give more blocks or fewer beams"
-                )
+            if out.paused:
+                return  # the scheduler paused whole beam families: the next step resumes them
             raise RuntimeError("no request can run: the KV pools are too small for any of them")
         new = [r for r, _ in batch.context if not self._rm.has_request(r)]
         try:
@@ -843,13 +838,13 @@ class _Forks:
     """The families of one :meth:`Engine.generate_detailed` call with ``num_beams`` or ``n``
     above 1: picks each step's tokens and forks and frees the sequences.
 
-    A beam family is one scheduling unit: when the scheduler pauses one beam, the engine
-    pauses all of them (freeing their blocks, stored for reuse), and a beam whose logits
-    arrived waits (leaves the scheduler's list) until every beam of its family has its
-    logits, so the family always scores one step of all its beams together. A paused beam
-    gives back its newest token (its KV was not written yet); it resumes as a context request
-    of its prompt and the tokens before it (reusing the cached prefix), and its last chunk
-    takes that token back instead of a sampled one.
+    A family is one scheduling unit of the scheduler (``Request.family_id``, set by
+    ``fork_resources``): it decodes all its beams in one step or none, and pauses and resumes
+    them together, so each step scores all the beams of a family at once. A paused beam gives
+    back its newest token (its KV was not written yet); it resumes as a context request of
+    its prompt and the tokens before it (reusing the cached prefix), its last chunk takes
+    that token back instead of a sampled one, and it waits (registered) until its siblings
+    are back too.
     """
 
     def __init__(
@@ -881,49 +876,20 @@ class _Forks:
         self.active: list[Request] = list(roots)
 
     def runnable(self) -> list[Request]:
-        """The active requests the scheduler may step (not beams waiting for their family),
-        family by family in prompt order: a family's paused beams resume before later
-        prompts are admitted."""
+        """The active requests, family by family in prompt order: the scheduler decodes,
+        pauses and resumes each family as one (``Request.family_id``), and a family's paused
+        beams resume before later prompts are admitted."""
         owner = self._owner
-        ready = [r for r in self.active if r.request_id not in owner[r.request_id].pending]
-        return sorted(ready, key=lambda r: owner[r.request_id].index)  # families by arrival
+        return sorted(self.active, key=lambda r: owner[r.request_id].index)
 
-    def pause_families(self, paused: list[Request], batch: ScheduledBatch) -> ScheduledBatch:
-        """Pauses every beam of a family one of whose beams the scheduler paused; returns the
-        batch without them."""
-        hit = {id(self._owner[r.request_id]) for r in paused if self._owner[r.request_id].beam}
-        if not hit:
-            return batch
-        out = ScheduledBatch()
-        for fam in (f for f in self.families if id(f) in hit):
-            self._pause(fam)
-        for r, chunk in batch.context:
-            if id(self._owner[r.request_id]) not in hit:
-                out.add_context(r, chunk)
-        for r, drafts in batch.generation:
-            if id(self._owner[r.request_id]) not in hit:
-                out.add_generation(r, drafts)
-        return out
-
-    def pause_newest(self) -> bool:
-        """Nothing could run: pauses the newest beam family that holds blocks (its beams
-        waiting for siblings that cannot resume). False if none holds any."""
-        rm = self._engine._rm
-        for fam in reversed(self.families):
-            if fam.beam is not None and any(rm.has_request(r) for r in self._live(fam)):
-                self._pause(fam)
-                return True
-        return False
-
-    def _pause(self, fam: _Family) -> None:
-        """Frees every beam of the family (blocks stored for reuse); each gives back its
-        newest token, whose KV was not written, to take it again when its context is done."""
-        rm = self._engine._rm
-        for r in self._live(fam):
-            if rm.has_request(r):
-                rm.free_resources(r, store_for_reuse=True)
-                r.state = RequestState.PAUSED
-                self._engine._counters["preemptions"] += 1
+    def paused(self, requests: list[Request]) -> None:
+        """The scheduler paused these (whole families, blocks stored for reuse): each beam
+        gives back its newest token, whose KV was not written, to take it again when its
+        context is done."""
+        for r in requests:
+            fam = self._owner[r.request_id]
+            if fam.beam is None:
+                continue  # a sample resumes like any request: its context includes the token
             fam.pending.pop(r.request_id, None)
             if r.generated and r.request_id not in fam.stash:
                 fam.stash[r.request_id] = r.generated.pop()
@@ -944,6 +910,12 @@ class _Forks:
                     ready.append(fam)
         for fam in ready:
             after.append(self._beam_step(fam))
+        for fam in self.families:
+            if fam.pending and fam not in ready:
+                raise RuntimeError(
+                    f"prompt {fam.index}: the scheduler decoded some beams of the family "
+                    "without the others"
+                )
         return after
 
     # ------------------------------------------------------------------ internals

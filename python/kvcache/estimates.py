@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from kvcache import _core as _block_math
 from kvcache._core import PreparedPrompt
+from kvcache.families import unforked_beams
 from kvcache.manager import KVCacheManager
 from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
 
@@ -457,9 +458,9 @@ class ResourceEstimates:
             )
             own = [int(n) for n in remaining]
             fork_at = request.context_len
-        if request.num_sequences == 1 or prefill_only or request.request_id in self._forked:
+        extra = unforked_beams(request)  # 0 once forked (in a family), also after a pause
+        if extra == 0 or prefill_only or request.request_id in self._forked:
             return own
         # The other beams fork from the prompt: each takes its own blocks, never the shared ones.
         beams = self._manager.get_forked_beam_blocks(fork_at, request.max_kv_tokens)
-        extra = request.num_sequences - 1
         return [a + extra * int(b) for a, b in zip(own, beams, strict=True)]

@@ -95,6 +95,10 @@ class Request:
             :meth:`KVCacheResourceManager.update_resources`.
         reused_tokens: Prompt tokens found in the cache at the last ``add_sequence``.
         num_pauses: Times the scheduler paused this request.
+        family_id: The beam family it belongs to (``None``: none): the request id of the
+            request whose beams or samples were forked
+            (:meth:`KVCacheResourceManager.fork_resources` sets it on the parent and the
+            children). The scheduler decodes, pauses and resumes a family's members together.
     """
 
     request_id: int
@@ -114,6 +118,7 @@ class Request:
     rewind_len: int = 0
     reused_tokens: int = 0
     num_pauses: int = 0
+    family_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.request_id, bool) or not isinstance(self.request_id, int):

@@ -75,6 +75,7 @@ from typing import Any, Protocol
 from kvcache._core import OutOfBlocksError, PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.estimates import ResourceEstimates, peak_live_blocks
+from kvcache.families import join_family
 from kvcache.manager import KVCacheManager
 from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
 
@@ -397,7 +398,9 @@ class KVCacheResourceManager(ResourceEstimates):
         continues with its own token, and its first write into the shared partial block copies
         that block). The children then run as generation requests of their own: their tokens
         go into the same ``add_tokens`` call as the parent's, ``free_resources`` prunes one,
-        and the estimates count each. A parent with ``num_beams`` or ``n`` above 1 is no
+        and the estimates count each. Parent and children join one beam family
+        (:attr:`Request.family_id`, the first parent's id), which the scheduler decodes, pauses
+        and resumes as one. A parent with ``num_beams`` or ``n`` above 1 is no
         longer charged for beams it has not forked. All or nothing.
 
         Raises:
@@ -440,6 +443,7 @@ class KVCacheResourceManager(ResourceEstimates):
                     "and generated tokens (all but the newest)"
                 )
         self._manager.fork_sequence(pid, [c.request_id for c in children])
+        join_family(parent, children)
         for child in children:
             self._manager._set_final_tokens(child.request_id, child.max_kv_tokens)
             self._running[child.request_id] = child

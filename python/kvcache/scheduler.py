@@ -39,6 +39,12 @@ the extra holdings of sliding window blocks that several running requests share
 (:meth:`KVCacheResourceManager.get_num_shared_blocks`): only the last holder's release frees
 such a block.
 
+Beam families (:mod:`kvcache.families`): the requests sharing a :attr:`Request.family_id`
+(the beams or samples ``fork_resources`` made) decode all in one step or not at all, and
+only once every member is back after a pause; ``max_utilization`` pauses whole families;
+``guaranteed_no_evict`` charges a family's shared blocks once; a request's beams still to fork
+are charged at admission (blocks and batch slots) and in the never-fits check.
+
 Example:
     >>> from kvcache import KvCacheConfig, ModelConfig
     >>> from kvcache.resource_manager import KVCacheResourceManager, Request
@@ -68,6 +74,7 @@ from collections.abc import Iterable, Sequence
 
 from kvcache import _core
 from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.families import family_arrays, unforked_beams, waiting_families
 from kvcache.resource_manager import (
     KVCacheResourceManager,
     Request,
@@ -90,7 +97,8 @@ class SchedulerOutput:
     Attributes:
         batch: Requests to run in the next step (context requests with their chunk sizes,
             generation requests with their draft-token counts).
-        paused: Running requests that were paused and freed (``max_utilization`` only).
+        paused: Running requests that were paused and freed (``max_utilization``, or a beam
+            family stuck waiting for siblings that do not fit), newest first.
         rejected: Requests that can never fit; their state is ``FAILED``.
         waiting: Requests left waiting (built when first read: read it before the next
             ``schedule`` call).
@@ -193,6 +201,7 @@ class CapacityScheduler:
             self._chunk,
         )
         self._guaranteed = policy == "guaranteed_no_evict"
+        self._families = False  # a request with beams or a family was seen: pass families
         self._fits_checked: dict[int, int] = {}  # request id -> context length checked
         # The index form (add_request, then schedule()): requests in arrival order.
         self._rank: dict[int, int] = {}  # request id -> arrival rank
@@ -219,6 +228,25 @@ class CapacityScheduler:
         """The largest prefill chunk this scheduler schedules: ``max_chunk_size`` or the
         budget, whichever is smaller (``None``: whole prompts)."""
         return self._chunk
+
+    def blocks_to_run_alone(self, request: Request) -> dict[int, int]:
+        """Per window, the most blocks the request holds from an otherwise empty pool, its
+        prompt prefilled in this scheduler's chunks, nothing reused: its own sequence plus,
+        before its first fork, the ``num_beams - 1`` (or ``n - 1``) beams it forks after its
+        prompt (each charged ``KVCacheManager.get_forked_beam_blocks``)."""
+        alone = self._native.blocks_to_run_alone(
+            request.context_len, request.max_kv_tokens, unforked_beams(request)
+        )
+        return dict(zip(self._rm.window_sizes, (int(n) for n in alone), strict=True))
+
+    def never_fits(self, request: Request) -> bool:
+        """Whether the request can never run: longer than ``max_seq_len``, or
+        :meth:`blocks_to_run_alone` beyond some window's whole pool."""
+        return bool(
+            self._native.never_fits(
+                request.context_len, request.max_kv_tokens, unforked_beams(request)
+            )
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues a new request for the index form of :meth:`schedule` (``schedule()`` with no
@@ -347,14 +375,32 @@ class CapacityScheduler:
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
         if ids is None:
             ids = [r.request_id for r in running]
-        gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
-            ids,
-            None,
-            drafts,
-            [r.request_id for r in candidates],
-            [rm._prompt(r) for r in candidates],
-            [r.max_kv_tokens for r in candidates],
-        )
+        if not self._families and rm._forked:
+            self._families = True
+        fams = family_arrays(running, candidates) if self._families else None
+        if fams is None:
+            gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
+                ids,
+                None,
+                drafts,
+                [r.request_id for r in candidates],
+                [rm._prompt(r) for r in candidates],
+                [r.max_kv_tokens for r in candidates],
+            )
+        else:
+            gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
+                ids,
+                fams[2],
+                drafts,
+                [r.request_id for r in candidates],
+                [rm._prompt(r) for r in candidates],
+                [r.max_kv_tokens for r in candidates],
+                families=fams[0],
+                beams=fams[1],
+                candidate_families=fams[3],
+                candidate_beams=fams[4],
+                waiting_families=waiting_families(source),
+            )
         taken = out._taken
         for i in paused:
             r = running[i]
@@ -390,7 +436,10 @@ class CapacityScheduler:
         n = r.context_len
         if self._fits_checked.get(r.request_id) == n:
             return False
-        if self._native.never_fits(n, r.max_kv_tokens):
+        beams = unforked_beams(r)
+        if beams or r.family_id is not None:
+            self._families = True
+        if self._native.never_fits(n, r.max_kv_tokens, beams):
             self._fits_checked.pop(r.request_id, None)
             return True
         self._fits_checked[r.request_id] = n
@@ -418,9 +467,22 @@ class CapacityScheduler:
                 if r.state in _WAITING and r.request_id not in registered:
                     self._insert(queue, r)
         self._running = kept
+        if self._families and len(kept) < len(registered):
+            self._adopt_forks(registered)
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
         return self._running
+
+    def _adopt_forks(self, registered: dict[int, Request]) -> None:
+        """Children that ``fork_resources`` registered join the index at their family's rank
+        (the family's first request was added with :meth:`add_request`)."""
+        rank = self._rank
+        known = {r.request_id for r in self._running}
+        for rid, r in registered.items():
+            family = r.family_id
+            if rid not in known and rid not in rank and family is not None and family in rank:
+                rank[rid] = rank[family]
+                self._insert(self._running, r)  # after its family, in the order forked
 
     def _reindex(self, out: SchedulerOutput, scanned: int) -> None:
         """Moves admitted requests from the queue's first ``scanned`` entries to the running
@@ -439,15 +501,17 @@ class CapacityScheduler:
         queue.extendleft(reversed(kept))
         for r in out.paused:
             self._running.remove(r)
+        for r in reversed(out.paused):  # paused newest first: a family goes back in its order
             self._insert(queue, r)
 
     def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
+        """Inserts by arrival rank, after the requests of the same rank (a family's)."""
         rank = self._rank
         key = rank.get(r.request_id, len(rank))
         lo, hi = 0, len(lst)
         while lo < hi:
             mid = (lo + hi) // 2
-            if rank.get(lst[mid].request_id, len(rank)) < key:
+            if rank.get(lst[mid].request_id, len(rank)) <= key:
                 lo = mid + 1
             else:
                 hi = mid

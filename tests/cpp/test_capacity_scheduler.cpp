@@ -107,5 +107,62 @@ TEST(CapacitySchedulerTest, BatchSizeAndNeverFits) {
   EXPECT_TRUE(s.NeverFits(40, 40));  // 10 full-attention blocks: the pool has 8
 }
 
+TEST(CapacitySchedulerTest, BeamFamiliesDecodeWholeAndPauseWhole) {
+  Fixture f({{8, 6}, {64, 6}});
+  const auto p = Iota(8);
+  f.manager.AddSequence(1, p.data(), p.size());  // alone: 2 blocks
+  const auto q = Iota(6, 50);
+  f.manager.AddSequence(2, q.data(), q.size());  // forked into 3 and 4: 2 shared blocks
+  const SeqId kids[] = {3, 4};
+  f.manager.ForkSequence(2, kids, 2);
+  const SeqId running[] = {1, 2, 3, 4};
+  const SeqId family[] = {-1, 2, 2, 2};
+  RunningFamilies fams;
+  fams.family = family;
+  // A 3-token budget: request 1 takes one, the family's 3 do not fit the 2 left: none decodes.
+  CapacityScheduler budget(&f.manager, Policy(CapacityPolicy::kGuaranteedNoEvict, 3));
+  StepPlan plan = budget.Schedule(running, nullptr, nullptr, 4, nullptr, 0, fams);
+  EXPECT_EQ(plan.generation, (std::vector<SeqId>{1}));
+  // Request 1's next token starts a block and the beams copy their shared partial block twice
+  // (the last writer keeps it): 3 blocks, 2 free. The newest request's whole family is paused.
+  CapacityScheduler s(&f.manager, Policy(CapacityPolicy::kMaxUtilization));
+  plan = s.Schedule(running, nullptr, nullptr, 4, nullptr, 0, fams);
+  EXPECT_EQ(plan.paused, (std::vector<SeqId>{4, 3, 2}));
+  EXPECT_EQ(plan.generation, (std::vector<SeqId>{1}));
+  EXPECT_EQ(f.manager.NumSequences(), 1u);
+  f.manager.CheckInvariants();
+}
+
+TEST(CapacitySchedulerTest, GuaranteedNoEvictChargesAFamilysSharedBlocksOnce) {
+  Fixture f({{8, 15}, {64, 15}});
+  const auto q = Iota(6);
+  f.manager.AddSequence(1, q.data(), q.size());
+  const SeqId kids[] = {2, 3};
+  f.manager.ForkSequence(1, kids, 2);
+  const SeqId running[] = {1, 2, 3};
+  std::vector<std::int64_t> rest, refs;
+  ASSERT_TRUE(f.manager.GetFamilyRemainingBlocks(running, 3, 12, &rest, &refs));
+  EXPECT_EQ(rest, (std::vector<std::int64_t>{5, 5}));  // 2 copies + a new block per beam
+  EXPECT_EQ(refs, (std::vector<std::int64_t>{4, 0}));  // blocks 0 and 1, 2 extra holders each
+  // Per beam (2 each) plus the shared reserve (4 in window 8): 10 and 6.
+  const std::int32_t finals[] = {12, 12, 12};
+  EXPECT_EQ(f.manager.GetRemainingBlocks(running, finals, 3, -1, false), (std::vector<std::int64_t>{6, 6}));
+  // 15 - 2 held = 13 free: a 4-token request growing to 32 tokens (3 blocks of window 8, 8 of
+  // full attention) fits beside the family's 5 + 8 = 13, not beside 6 + 8 = 14.
+  auto candidates = f.Candidates(1, 4, 32);
+  const SeqId family[] = {1, 1, 1};
+  RunningFamilies fams;
+  fams.family = family;
+  CapacityScheduler s(&f.manager, Policy(CapacityPolicy::kGuaranteedNoEvict));
+  EXPECT_EQ(s.Schedule(running, finals, nullptr, 3, candidates.data(), 1, fams).admitted,
+            (std::vector<std::int32_t>{0}));
+  EXPECT_TRUE(s.Schedule(running, finals, nullptr, 3, candidates.data(), 1).admitted.empty());
+  // Beams still to fork are charged at admission: 2 x (copy + 7 own blocks) do not fit.
+  candidates[0].beams = 2;
+  EXPECT_TRUE(s.Schedule(running, finals, nullptr, 3, candidates.data(), 1, fams).admitted.empty());
+  EXPECT_TRUE(s.NeverFits(4, 32, 2));
+  EXPECT_FALSE(s.NeverFits(4, 32, 0));
+}
+
 }  // namespace
 }  // namespace kvcache

@@ -590,6 +590,30 @@ BAD_CALLS: list[Row] = [
         ValueError,
         "fork_tokens must be an int",
     ),
+    (
+        "get_family_remaining_blocks-unknown",
+        lambda m: m.get_family_remaining_blocks([3, 99], 5),
+        KeyError,
+        "unknown request id 99",
+    ),
+    (
+        "get_family_remaining_blocks-text",
+        lambda m: m.get_family_remaining_blocks("x", 5),
+        ValueError,
+        "request ids must be a sequence of ints",
+    ),
+    (
+        "get_family_remaining_blocks-final",
+        lambda m: m.get_family_remaining_blocks([3], 0),
+        ValueError,
+        "final_tokens = 0 is out of range",
+    ),
+    (
+        "get_family_remaining_blocks-repeated",
+        lambda m: m.get_family_remaining_blocks([3, 3], 5),
+        ValueError,
+        "request id 3 appears twice",
+    ),
     # the shared tier (none here: the checks come first)
     (
         "flush_shared_cache-negative",
@@ -986,6 +1010,8 @@ calls = {
     ),
     "get_reusable_prefix_length(PreparedPrompt)": lambda: live.get_reusable_prefix_length(prompt),
     "CapacityScheduler.never_fits": lambda: sched.never_fits(1, 1),
+    "CapacityScheduler.blocks_to_run_alone": lambda: sched.blocks_to_run_alone(1, 1),
+    "KVCacheManager.get_family_remaining_blocks": lambda: bare.get_family_remaining_blocks([1], 1),
     "CapacityScheduler.schedule": lambda: sched.schedule([], None, None, [], [], []),
     "KVCacheManager.get_step_needs": lambda: bare.get_step_needs([1], [1], [], []),
     "KVCacheManager.get_num_shared_blocks": lambda: bare.get_num_shared_blocks(64),

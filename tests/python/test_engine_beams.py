@@ -131,6 +131,39 @@ def test_beam_search_matches_hf_generate(family: str, k: int, lp: float, es: boo
     assert engine.manager.num_sequences == 0
 
 
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_families_on_a_14_block_pool_run_to_completion(family: str, policy: str) -> None:
+    """Three 4-beam families on 14 blocks per window: each fits the empty pools, not all at
+    once. max_utilization pauses and resumes whole families (gemma2 used to end with "the
+    beams of a request do not fit" RuntimeError, its beams paused for good);
+    guaranteed_no_evict admits a family only with its beams' blocks and never pauses. Every
+    beam is still HF's."""
+    model = _model(family)
+    model.generation_config.eos_token_id = None
+    prompts = _prompts()
+    engine = _engine(family, blocks=14, policy=policy)
+    result = engine.generate_detailed(prompts, NEW, num_beams=4)
+    for prompt, seqs, scores in zip(prompts, result.sequences, result.scores, strict=True):
+        ref = _hf_beams(family, prompt, 4, 1.0, False)
+        assert seqs == [ref.sequences[j, len(prompt) :].tolist() for j in range(4)]
+        torch.testing.assert_close(torch.tensor(scores), ref.sequences_scores, atol=1e-4, rtol=0)
+    stats = engine.stats()
+    assert (stats.preemptions > 0) == (policy == "max_utilization")
+    assert stats.peak_used_blocks[WINDOW] <= 14
+    engine.manager.check_invariants()
+    assert engine.manager.num_sequences == 0
+
+
+def test_a_beam_family_that_can_never_fit_is_refused_up_front() -> None:
+    engine = _engine("gemma2", blocks=6)
+    # One sequence of 11 + 8 tokens fits 6 blocks per window; 4 beams of it never do.
+    assert len(engine.generate([_prompts()[2]], NEW)[0]) == NEW
+    with pytest.raises(ValueError, match="with 4 beams can never fit the KV pools"):
+        engine.generate([_prompts()[2]], NEW, num_beams=4)
+    assert engine.manager.num_sequences == 0
+
+
 def test_beams_step_in_one_add_tokens_call_and_reorder_by_fork_and_free() -> None:
     """One prompt, 4 beams: each step adds every beam's token in one call; beams are
     reordered by fork_resources / free_resources, never by copying a whole cache."""
@@ -229,6 +262,8 @@ def test_bad_fork_arguments_are_refused_and_the_engine_stays_usable() -> None:
         engine.generate([[1, 2]], 2, num_beams=2, early_stopping="soon")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         engine.generate_detailed([[1, 2]], 2, n=2, temperature=0.0)
+    with pytest.raises(ValueError, match="17 beams or samples exceed max_batch_size=16"):
+        engine.generate([[1, 2]], 2, num_beams=17)
     with pytest.raises(ValueError, match="length_penalty must be a float"):
         engine.generate([[1, 2]], 2, num_beams=2, length_penalty="long")  # type: ignore[arg-type]
     assert engine.manager.num_sequences == 0

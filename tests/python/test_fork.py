@@ -180,10 +180,14 @@ def test_step_estimates_count_one_copy_per_beam() -> None:
     m = make()
     m.add_sequence(1, list(range(6)))
     m.fork_sequence(1, [2, 3])
-    # Each beam's next token lands in shared block 1: one copy each (at most one per beam).
-    assert m.get_step_needs([1, 2, 3], [1, 1, 1], [], []) == [3, 3]
+    # Each beam's next token lands in shared block 1: one copy per beam, except that its last
+    # writer keeps it (every holder writes it in this call): 2 copies, exactly what the call takes.
+    assert m.get_step_needs([1, 2, 3], [1, 1, 1], [], []) == [2, 2]
+    assert m.get_step_needs([1, 2], [1, 1], [], []) == [2, 2]  # 3 still holds it: both copy
     assert m.get_sequence_step_needs(1, 1) == [1, 1]
+    free = {w: m.get_num_free_blocks(w) for w in m.window_sizes}
     m.add_tokens([1, 2, 3], [0, 0, 0])
+    assert [free[w] - m.get_num_free_blocks(w) for w in m.window_sizes] == [2, 2]
     assert m.get_step_needs([1, 2, 3], [1, 1, 1], [], []) == [0, 0]
 
 
@@ -348,7 +352,7 @@ def test_fork_resources_runs_beams_as_generation_requests() -> None:
     batch = ScheduledBatch()
     for r in (parent, *kids):
         batch.add_generation(r)
-    assert rm.get_needed_blocks_for_step(batch) == {8: 3, 32: 3}
+    assert rm.get_needed_blocks_for_step(batch) == {8: 2, 32: 2}  # the last writer keeps it
     rm.prepare_resources(batch)  # one add_tokens call: 1 and 2 copy block 1, 3 keeps it
     assert [m.get_cache_block_ids(r, 32) for r in (1, 2, 3)] == [[0, 2], [0, 3], [0, 1]]
     for r, token in zip((parent, *kids), (101, 201, 301), strict=True):

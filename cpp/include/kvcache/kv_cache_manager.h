@@ -411,6 +411,17 @@ class KVCacheManager {
   /// Extra references of blocks held more than once in a window that releases blocks (sequences
   /// and pins): the releases the per-sequence estimates credit but that free nothing.
   std::int64_t GetNumSharedBlocks(WindowSize window) const;
+  /// A beam family's blocks to completion, its shared blocks counted once: the `n` registered
+  /// sequences `ids` (beams of one request, none in prefill, all holding the same tokens and
+  /// released front) grow in lockstep to `final_tokens` tokens. Per window, `remaining` gets the
+  /// most free blocks they take together (each beam's copy of a shared partial block, when the
+  /// last writer does not keep it, and its own new blocks; a held block is credited when the
+  /// family releases it only if no one else holds it) and `family_refs` the family's own extra
+  /// holdings of its shared blocks in windows that release blocks (the part of
+  /// GetNumSharedBlocks that `remaining` already accounts for). Returns false, changing nothing,
+  /// if the sequences are not in lockstep.
+  bool GetFamilyRemainingBlocks(const SeqId* ids, std::size_t n, std::int32_t final_tokens,
+                                std::vector<std::int64_t>* remaining, std::vector<std::int64_t>* family_refs) const;
   /// Blocks sequence `id` holds in `window` now (released positions not counted).
   std::int32_t GetNumHeldBlocks(SeqId id, WindowSize window) const;
   /// For each registered sequence ids[i]: the tokens that have blocks and its prompt length
@@ -467,6 +478,10 @@ class KVCacheManager {
   /// 1 if the next token of `seq` (decoded or prefilled) lands in a block of window `w` that is
   /// not private (shared with a fork, cached or recorded): its copy-on-write takes a block.
   std::int32_t CopyNeed(const Sequence& seq, std::size_t w) const;
+  /// Of the CopyNeed of the sequences `ids` writing one token each in one AddTokens call, the
+  /// copies that do not happen: a shared partial block whose writers are all its holders (not in
+  /// the reuse tree, no release records) stays with its last writer (CountBatchCopies's rule).
+  std::int64_t KeptCopies(const SeqId* ids, std::size_t n, std::size_t w) const;
   /// Free blocks window `w` has lost to `seq` after appending token `m` (its allocations less
   /// its private releases; negative when it frees).
   std::int64_t DecodeDelta(const Sequence& seq, std::size_t w, std::int64_t m) const;
