@@ -13,6 +13,8 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
+from fleet_helpers import random_probe, sync_subscriber  # noqa: E402
+
 import kvcache  # noqa: E402
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, OutOfBlocksError  # noqa: E402
 from kvcache.events import END_SEQ, ZmqEventPublisher  # noqa: E402
@@ -326,25 +328,6 @@ def test_best_engine_breaks_ties_on_load() -> None:
         KvIndexer().best_engine(prompt)
 
 
-def _last(sub: ZmqEventSubscriber, engine: str) -> int:
-    last = sub.last_seq(engine)
-    return -1 if last is None else last
-
-
-def _sync(sub: ZmqEventSubscriber, pubs: dict[str, ZmqEventPublisher]) -> None:
-    """Polls until the subscriber has applied every batch each publisher sent."""
-    deadline = time.monotonic() + 20
-    for engine, pub in pubs.items():
-        target = pub.next_seq - 1
-        tries = 0
-        while target >= 0 and _last(sub, engine) < target:
-            assert time.monotonic() < deadline, f"{engine} stuck at {sub.last_seq(engine)}"
-            if sub.poll(20) == 0:
-                tries += 1
-                if tries % 5 == 0:  # the stream went quiet: its last batches were lost
-                    sub.catch_up(engine)
-
-
 def test_randomized_workload_match_equals_each_engines_rule(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     engines = {
@@ -423,16 +406,11 @@ def test_randomized_workload_match_equals_each_engines_rule(tmp_path: Path) -> N
                 del live[name][rid]
             for pub in pubs.values():
                 pub.publish()
-            _sync(sub, pubs)
+            sync_subscriber(sub, pubs)
             for probe_engine, probe_kv in engines.items():
                 for _ in range(4):
-                    key = rng.choice(keys)
-                    prompt = rng.choice(bases)[: rng.randrange(1, 29)]
+                    prompt, key, router_key = random_probe(rng, keys, bases)
                     want = probe_kv.get_reusable_prefix_length(prompt, **key)
-                    router_key = {
-                        "lora_id": key.get("lora_task_id"),
-                        "cache_salt": key.get("cache_salt"),
-                    }
                     got = index.match(probe_engine, prompt, **router_key)
                     assert got == want, (probe_engine, prompt, key, got, want)
                     probes += 1
@@ -475,7 +453,7 @@ def test_subscriber_fills_gaps_from_replay_and_clears_what_it_cannot(event_forma
     index = KvIndexer()
     sub = ZmqEventSubscriber(index, {"e": ("inproc://rt-gap", "inproc://rt-gap-r")})
     try:
-        _sync(sub, {"e": pub})
+        sync_subscriber(sub, {"e": pub})
         assert sub.last_seq("e") == 2 and sub.num_unrecoverable_gaps == 0
         assert sub.num_replays >= 1  # everything came from replay
         assert [index.match("e", p) for p in prompts[:3]] == [8, 8, 8]
@@ -488,7 +466,7 @@ def test_subscriber_fills_gaps_from_replay_and_clears_what_it_cannot(event_forma
         _flush(pub)
         late = KvIndexer()
         late_sub = ZmqEventSubscriber(late, {"e": ("inproc://rt-gap", "inproc://rt-gap-r")})
-        _sync(late_sub, {"e": pub})
+        sync_subscriber(late_sub, {"e": pub})
         assert late_sub.num_unrecoverable_gaps == 1 and late_sub.last_seq("e") == 7
         got = [late.match("e", p) for p in prompts]
         assert got == [0, 0, 0, 0, 8, 8, 8, 8]  # batches 4-7 from the ring of 4

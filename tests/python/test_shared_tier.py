@@ -19,8 +19,7 @@ import pytest
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
 
 if TYPE_CHECKING:
-    from kvcache.events import ZmqEventPublisher
-    from kvcache.router import ZmqEventSubscriber
+    pass
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None,
@@ -687,21 +686,6 @@ def test_get_reusable_prefix_length_with_an_unreachable_store_is_the_local_hit()
     m.check_invariants()
 
 
-def _sync_subscriber(sub: ZmqEventSubscriber, pubs: dict[str, ZmqEventPublisher]) -> None:
-    """Polls until the subscriber has applied every batch each publisher sent."""
-    deadline = time.monotonic() + 20
-    for engine, pub in pubs.items():
-        target, polls = pub.next_seq - 1, 0
-        while (
-            target >= 0 and (-1 if sub.last_seq(engine) is None else sub.last_seq(engine)) < target
-        ):
-            assert time.monotonic() < deadline, f"{engine} stuck at {sub.last_seq(engine)}"
-            if sub.poll(20) == 0:
-                polls += 1
-                if polls % 5 == 0:  # the stream went quiet: its last batches were lost
-                    sub.catch_up(engine)
-
-
 @pytest.mark.parametrize("partial", [False, True], ids=["exact", "partial-reuse"])
 def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store(
     server: Server, tmp_path: Path, partial: bool
@@ -716,6 +700,8 @@ def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store
 
     pytest.importorskip("zmq")
     pytest.importorskip("msgspec")
+    from fleet_helpers import random_probe, sync_subscriber
+
     from kvcache import OutOfBlocksError
     from kvcache.events import ZmqEventPublisher
     from kvcache.router import KvIndexer, ZmqEventSubscriber
@@ -823,16 +809,11 @@ def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store
                 assert kv.flush_shared_cache(timeout_ms=10_000)
             for pub in pubs.values():
                 pub.publish()
-            _sync_subscriber(sub, pubs)
+            sync_subscriber(sub, pubs)
             for probe_engine, probe_kv in engines.items():
                 for _ in range(4):
-                    key = rng.choice(keys)
-                    prompt = rng.choice(bases)[: rng.randrange(1, 29)]
+                    prompt, key, router_key = random_probe(rng, keys, bases)
                     want = probe_kv.get_reusable_prefix_length(prompt, **key)
-                    router_key = {
-                        "lora_id": key.get("lora_task_id"),
-                        "cache_salt": key.get("cache_salt"),
-                    }
                     got = index.match(probe_engine, prompt, **router_key)
                     if partial:  # the engine may also take part of the next block
                         assert got <= want < got + 4, (probe_engine, prompt, key, got, want)
