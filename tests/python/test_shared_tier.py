@@ -11,15 +11,12 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig
-
-if TYPE_CHECKING:
-    pass
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None,
