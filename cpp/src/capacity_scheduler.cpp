@@ -58,6 +58,19 @@ bool CapacityScheduler::NeverFits(std::int32_t context_len, std::int32_t final_t
   return !manager_->FitsWhenEmpty(need);
 }
 
+std::int64_t CapacityScheduler::PlanChunks(const SeqId* running, std::size_t n, std::int64_t left, StepPlan* plan) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t rest = static_cast<std::int64_t>(prompt_len_[i]) - num_tokens_[i];
+    if (rest <= 0) continue;
+    const std::int32_t size = ChunkFor(rest, left);
+    if (size <= 0) continue;
+    plan->chunks.push_back(running[i]);
+    plan->chunk_sizes.push_back(size);
+    if (left >= 0) left -= size;
+  }
+  return left;
+}
+
 std::int64_t CapacityScheduler::PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n,
                                             StepPlan* plan) {
   std::int64_t left = config_.max_num_batched_tokens;
@@ -72,16 +85,7 @@ std::int64_t CapacityScheduler::PlanRunning(const SeqId* running, const std::int
     plan->drafts.push_back(d);
     if (left >= 0) left -= 1 + d;
   }
-  for (std::size_t i = 0; i < n; ++i) {  // then continuing prefills
-    const std::int64_t rest = static_cast<std::int64_t>(prompt_len_[i]) - num_tokens_[i];
-    if (rest <= 0) continue;
-    const std::int32_t size = ChunkFor(rest, left);
-    if (size <= 0) continue;
-    plan->chunks.push_back(running[i]);
-    plan->chunk_sizes.push_back(size);
-    if (left >= 0) left -= size;
-  }
-  return left;
+  return PlanChunks(running, n, left, plan);  // then continuing prefills
 }
 
 namespace {
@@ -141,16 +145,7 @@ std::int64_t CapacityScheduler::PlanFamilies(const SeqId* running, const std::in
     plan->generation.push_back(running[i]);
     plan->drafts.push_back(d);
   }
-  for (std::size_t i = 0; i < n; ++i) {  // then continuing prefills
-    const std::int64_t rest = static_cast<std::int64_t>(prompt_len_[i]) - num_tokens_[i];
-    if (rest <= 0) continue;
-    const std::int32_t size = ChunkFor(rest, left);
-    if (size <= 0) continue;
-    plan->chunks.push_back(running[i]);
-    plan->chunk_sizes.push_back(size);
-    if (left >= 0) left -= size;
-  }
-  return left;
+  return PlanChunks(running, n, left, plan);  // then continuing prefills
 }
 
 std::vector<std::int64_t> CapacityScheduler::Reserve(const SeqId* running, const std::int32_t* final_tokens,

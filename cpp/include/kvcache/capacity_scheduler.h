@@ -112,6 +112,9 @@ class CapacityScheduler {
   /// Tokens of a prefill chunk with `rest` prompt tokens to go and `left` in the budget (< 0:
   /// unlimited); 0 when the budget has none.
   std::int32_t ChunkFor(std::int64_t rest, std::int64_t left) const;
+  /// The chunks of the running requests still in prefill (num_tokens_ / prompt_len_ filled), in
+  /// order, from the token budget `left` (< 0: unlimited); returns the budget left.
+  std::int64_t PlanChunks(const SeqId* running, std::size_t n, std::int64_t left, StepPlan* plan);
   /// Plans the running requests' step into plan_ (generation, then continuing prefills) and
   /// returns the budget left.
   std::int64_t PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n, StepPlan* plan);
