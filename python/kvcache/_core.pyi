@@ -138,6 +138,10 @@ class KVCacheManager:
         shared_cache_timeout_ms: typing.SupportsIndex = 5,
         shared_cache_queue_bytes: typing.SupportsIndex = 67108864,
     ) -> None: ...
+    def _add_generated(self, request_ids: typing.Any, generated: list, bases: list) -> int:
+        """
+        A decode step's newest tokens from the requests' generated lists: checks each cached length (bases[i] + len(generated[i])), then appends each generated[i][-1]; -1 once added, else the first index that failed a check (nothing added).
+        """
     def _add_sequence(
         self,
         request_id: typing.SupportsIndex,

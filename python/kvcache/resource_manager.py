@@ -69,6 +69,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -130,6 +131,11 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         self._max_draft: int = int(getattr(manager, "max_draft_tokens", 0))
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
         self._running: dict[int, Request] = {}  # registered requests (they hold blocks)
+        # Bumped whenever _running changes: the scheduler's caches of it are valid while equal.
+        self._epoch = 0
+        # Registered request id -> its prompt length less one (a decode step's cached length
+        # is that plus its generated tokens), read once at registration.
+        self._base_of: dict[int, int] = {}
         self._forked: set[int] = set()  # requests whose beams were forked (fork_resources)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
         # What the scheduler knows of the generation entries of the batch it just built (see
@@ -312,18 +318,23 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
             if note is not None and note[0] is gen and gen == note[1]:  # as scheduled
                 gen_ids = note[2]
                 drafts = self._check_drafts(gen) if note[3] else 0
+                if next_tokens is None and gen and not prefills and self._add_noted(note):
+                    rounds = 1  # checked and added in one native call
             else:
                 gen_ids = [r.request_id for r, _ in gen]
                 drafts = self._check_drafts(gen) if gen else 0
-            if next_tokens is None and gen:
-                self._check_generation(gen, gen_ids)
-            if prefills:
+            if gen and not rounds:
+                if next_tokens is None:
+                    self._check_generation(gen, gen_ids)
+                if prefills:
+                    self._check_step_fits(gen, prefills)
+                newest = [r.generated[-1] for r, _ in gen] if next_tokens is None else next_tokens
+                self._manager.add_tokens(gen_ids, newest)
+                rounds = 1
+            elif prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
                 add = self._manager.add_tokens
-                newest = [r.generated[-1] for r, _ in gen] if next_tokens is None else next_tokens
-                add(gen_ids, newest)
-                rounds = 1
                 for j in range(drafts):
                     step = [r for r, d in gen if d > j]
                     add([r.request_id for r in step], [r.draft_tokens[j] for r in step])
@@ -386,6 +397,8 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
         del self._running[request.request_id]
+        del self._base_of[request.request_id]
+        self._epoch += 1
         self._forked.discard(request.request_id)
 
     def fork_resources(self, parent: Request, children: Sequence[Request]) -> None:
@@ -414,6 +427,8 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         for child in children:
             self._manager._set_final_tokens(child.request_id, child.max_kv_tokens)
             self._running[child.request_id] = child
+            self._base_of[child.request_id] = len(child.prompt) - 1
+            self._epoch += 1
             child.state = RequestState.GENERATION
             child.context_position = parent.context_position
             child.reused_tokens = 0
@@ -422,18 +437,40 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
     # ------------------------------------------------------------------ internals
 
     def _note_generation(
-        self, gen: list[tuple[Request, int]], ids: list[int], most_drafts: int
+        self,
+        gen: list[tuple[Request, int]],
+        ids: list[int],
+        most_drafts: int,
+        requests: list[Request],
+        bases: list[int] | None,
     ) -> None:
         """The scheduler's note on the batch it built: its generation entries (the list and
-        a copy), their request ids and the most draft tokens among them. The next
-        ``prepare_resources`` takes the ids from here instead of reading every request,
-        if that batch's ``generation`` is the same list with the same entries (compared by
-        identity, in C), and checks drafts only if some entry has any."""
-        self._gen_note = (gen, list(gen), ids, most_drafts)
+        a copy), their request ids, the most draft tokens among them, the requests and their
+        prompt lengths less one. The next ``prepare_resources`` takes these from here instead
+        of reading every request, if that batch's ``generation`` is the same list with the
+        same entries (compared by identity, in C), and checks drafts only if some entry has
+        any."""
+        self._gen_note = (gen, list(gen), ids, most_drafts, requests, bases)
+
+    def _add_noted(self, note: _GenerationNote) -> bool:
+        """Appends the noted generation requests' newest tokens, checked as
+        :meth:`_check_generation` checks them (in generation, cached length ``len(prompt) +
+        len(generated) - 1``), in one native call; False, with nothing added, if the note has
+        no prompt lengths or some check fails (the caller then checks request by request,
+        which raises)."""
+        requests, bases = note[4], note[5]
+        if bases is None:
+            return False
+        if list(map(_STATE, requests)).count(RequestState.GENERATION) != len(requests):
+            return False
+        gens = list(map(_GENERATED, requests))
+        return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
     def _forget(self, request: Request) -> None:
         """Drops a request whose sequence the native scheduler removed (a pause)."""
         del self._running[request.request_id]
+        del self._base_of[request.request_id]
+        self._epoch += 1
         self._forked.discard(request.request_id)
 
     # --- mutations
@@ -459,6 +496,8 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         self._prepared.pop(request.request_id, None)
         self._manager._set_final_tokens(request.request_id, request.max_kv_tokens)
         self._running[request.request_id] = request
+        self._base_of[request.request_id] = len(request.prompt) - 1
+        self._epoch += 1
         request.reused_tokens = reused
         request.context_position = reused
         request.state = RequestState.CONTEXT
@@ -474,13 +513,25 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         for request in reversed(added):
             self._manager.remove_sequence(request.request_id, store_for_reuse=False)
             del self._running[request.request_id]
+            del self._base_of[request.request_id]
+            self._epoch += 1
             request.state = RequestState.WAITING if request.num_pauses == 0 else RequestState.PAUSED
             request.reused_tokens = 0
             request.context_position = 0
 
 
-#: (the batch's generation list, a copy of its entries, their request ids, the most drafts).
-_GenerationNote = tuple[list[tuple[Request, int]], list[tuple[Request, int]], list[int], int]
+#: (the batch's generation list, a copy of its entries, their request ids, the most drafts,
+#: the requests, their prompt lengths less one).
+_GenerationNote = tuple[
+    list[tuple[Request, int]],
+    list[tuple[Request, int]],
+    list[int],
+    int,
+    list[Request],
+    list[int] | None,
+]
+_STATE = operator.attrgetter("state")
+_GENERATED = operator.attrgetter("generated")
 
 
 def _primary(value: Any) -> int:

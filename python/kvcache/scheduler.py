@@ -81,6 +81,10 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _request_id = operator.attrgetter("request_id")
+_state = operator.attrgetter("state")
+#: The list form's head of registered requests: (the resource manager's epoch, the requests,
+#: their ids, their prompt lengths less one).
+_HeadCache = tuple[int, list[Request], list[int], list[int]]
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
 
 
@@ -198,6 +202,13 @@ class CapacityScheduler:
         self._rank: dict[int, int] = {}  # request id -> arrival rank
         self._queue: deque[Request] = deque()  # waiting and paused requests, by rank
         self._running: list[Request] = []  # registered requests, by rank
+        self._head_cache: _HeadCache | None = None  # see _cache_head
+        # The index form's running requests as of the resource manager's epoch: (the epoch,
+        # their ids, their prompt lengths less one); see _indexed.
+        self._index_cache: tuple[int, list[int], list[int]] | None = None
+        # The generation entries of an all-decode step of cached running requests (keyed by
+        # their cached ids).
+        self._pairs: tuple[list[int], list[tuple[Request, int]]] | None = None
 
     @property
     def policy(self) -> str:
@@ -252,13 +263,15 @@ class CapacityScheduler:
             The batch, and the paused, rejected and still-waiting requests.
         """
         if requests is None:
-            running = self._indexed()
-            candidates, rejected, scanned = self._head_candidates(len(running))
-            out = self._decide(running, None, candidates, rejected, self._queue)
+            indexed, index_ids, index_bases = self._indexed()
+            candidates, rejected, scanned = self._head_candidates(len(indexed))
+            out = self._decide(indexed, index_ids, index_bases, candidates, rejected, self._queue)
             self._reindex(out, scanned)
             return out
         running, ids, candidates, rejected = self._scan(requests)
-        return self._decide(running, ids, candidates, rejected, requests)
+        cache = self._head_cache
+        bases = cache[3] if cache is not None and ids is cache[2] else None
+        return self._decide(running, ids, bases, candidates, rejected, requests)
 
     # ------------------------------------------------------------------ internals
 
@@ -280,13 +293,20 @@ class CapacityScheduler:
         ids: list[int] | None = None
         start = 0
         head = requests[:unseen]
-        head_ids = [r.request_id for r in head]
-        if len(head) == unseen and all(map(registered.__contains__, head_ids)):
+        if type(head) is not list:
+            head = list(head)
+        cache = self._head_cache
+        if cache is None or cache[0] != self._rm._epoch or head != cache[1]:
+            # Not the registered requests of the last call (compared by identity, in C).
+            cache = self._cache_head(head, unseen)
+        if cache is not None:
             # The usual order: the registered requests first.
+            states = list(map(_state, head))
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
-            running = [r for r in head if (state := r.state) is gen or state is ctx]
-            if len(running) == unseen:  # all of them run: their ids are the ones just read
-                ids = head_ids
+            if states.count(gen) + states.count(ctx) == unseen:
+                running, ids = head, cache[2]  # all of them run: their ids are cached
+            else:
+                running = [r for r, st in zip(head, states, strict=True) if st is gen or st is ctx]
             start, unseen = unseen, 0
         for r in itertools.islice(requests, start, None):
             if r.request_id in registered:
@@ -300,6 +320,19 @@ class CapacityScheduler:
         if len(running) != len(head):
             ids = None  # running requests came after the head: read their ids again
         return running, ids, candidates[: max(0, most - len(running))], rejected
+
+    def _cache_head(self, head: list[Request], num_registered: int) -> _HeadCache | None:
+        """Caches the list form's head if it holds exactly the registered requests: their
+        ids and prompt lengths less one (the resource manager's), valid while the
+        registrations and the head's requests stay the same (a request's id does not
+        change)."""
+        self._head_cache = None
+        ids = list(map(_request_id, head))
+        if len(head) != num_registered or not all(map(self._rm._running.__contains__, ids)):
+            return None
+        bases = list(map(self._rm._base_of.__getitem__, ids))
+        self._head_cache = (self._rm._epoch, head, ids, bases)
+        return self._head_cache
 
     def _head_candidates(self, num_running: int) -> tuple[list[Request], list[Request], int]:
         """The index form's admission candidates: the queue's first waiting requests, as many
@@ -333,13 +366,15 @@ class CapacityScheduler:
         self,
         running: list[Request],
         ids: list[int] | None,
+        bases: list[int] | None,
         candidates: list[Request],
         rejected: list[Request],
         source: Iterable[Request],
     ) -> SchedulerOutput:
         """Asks the native scheduler about the running requests (``ids``: their request ids,
-        if already read) and the admission candidates (in order); ``rejected`` never fit;
-        ``source`` is what the lazily built ``waiting`` output comes from."""
+        ``bases``: their prompt lengths less one, if known, both cached while the running
+        requests stay the same) and the admission candidates (in order); ``rejected`` never
+        fit; ``source`` is what the lazily built ``waiting`` output comes from."""
         rm = self._rm
         out = SchedulerOutput()
         out._waiting_source = source
@@ -362,13 +397,24 @@ class CapacityScheduler:
             out.paused.append(r)
             taken.add(r.request_id)
         batch = out.batch
+        gen_bases: list[int] | None = None
         if len(gen) == len(running):  # every running request decodes (indices 0..n-1)
-            batch.generation = list(zip(running, ndraft, strict=True))
-            gen_ids = ids
+            # Cached running requests without drafts: the entries of their last such step.
+            if bases is not None and drafts is None:
+                if self._pairs is None or self._pairs[0] is not ids:
+                    self._pairs = (ids, list(zip(running, ndraft, strict=True)))
+                batch.generation = self._pairs[1].copy()
+            else:
+                batch.generation = list(zip(running, ndraft, strict=True))
+            gen_ids, gen_reqs, gen_bases = ids, running, bases
         else:
             batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
             gen_ids = [ids[i] for i in gen]
-        rm._note_generation(batch.generation, gen_ids, max(ndraft, default=0))
+            gen_reqs = [r for r, _ in batch.generation]
+            if bases is not None:
+                gen_bases = list(map(bases.__getitem__, gen))
+        most = max(ndraft, default=0) if drafts is not None else 0
+        rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases)
         batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
@@ -405,12 +451,23 @@ class CapacityScheduler:
         r.draft_tokens = []
         r.rewind_len = 0
 
-    def _indexed(self) -> list[Request]:
-        """The index form's running requests, in arrival order: finished, failed or freed ones
-        leave the index, and the queue's head loses the ones that stopped waiting."""
-        registered = self._rm._running
-        kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
+    def _indexed(self) -> tuple[list[Request], list[int], list[int]]:
+        """The index form's running requests, in arrival order (a copy), their ids and prompt
+        lengths less one: finished, failed or freed ones leave the index, and the queue's head
+        loses the ones that stopped waiting. While no registration changed since the last
+        call (and no admission or pause changed the index), only their states are read."""
+        rm = self._rm
         queue = self._queue
+        if self._index_cache is not None and self._index_cache[0] == rm._epoch:
+            run = self._running
+            states = list(map(_state, run))
+            gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
+            if states.count(gen) + states.count(ctx) == len(run):
+                while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
+                    queue.popleft()
+                return list(run), self._index_cache[1], self._index_cache[2]
+        registered = rm._running
+        kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
         if len(kept) != len(self._running):
             # Admitted but not registered after all (a prepare_resources that failed and rolled
             # back), or freed without finishing: back into the queue if still waiting.
@@ -420,7 +477,10 @@ class CapacityScheduler:
         self._running = kept
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
-        return self._running
+        ids = list(map(_request_id, kept))
+        bases = list(map(rm._base_of.__getitem__, ids))
+        self._index_cache = (rm._epoch, ids, bases)
+        return list(kept), ids, bases
 
     def _reindex(self, out: SchedulerOutput, scanned: int) -> None:
         """Moves admitted requests from the queue's first ``scanned`` entries to the running
@@ -429,17 +489,21 @@ class CapacityScheduler:
         taken = out._taken
         queue = self._queue
         kept: list[Request] = []
+        changed = bool(out.paused)
         for _ in range(scanned):
             r = queue.popleft()
             if r.request_id in taken:
                 if r.state is not RequestState.FAILED:
                     self._insert(self._running, r)
+                    changed = True
             elif r.state in _WAITING:
                 kept.append(r)
         queue.extendleft(reversed(kept))
         for r in out.paused:
             self._running.remove(r)
             self._insert(queue, r)
+        if changed:  # the running list changed: _indexed reads it again
+            self._index_cache = None
 
     def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
         rank = self._rank
