@@ -69,7 +69,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -134,7 +133,8 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         # Bumped whenever _running changes: the scheduler's caches of it are valid while equal.
         self._epoch = 0
         # Registered request id -> its prompt length less one (a decode step's cached length
-        # is that plus its generated tokens), read once at registration.
+        # is that plus its generated tokens), read once at registration. Changed with
+        # _running, so both keep the same order.
         self._base_of: dict[int, int] = {}
         self._forked: set[int] = set()  # requests whose beams were forked (fork_resources)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
@@ -362,7 +362,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         for request, _ in batch.context:
             if request.request_id in self._running:
                 self._check_context_step(request)
-        for request, d in batch.generation:
+        gen = batch.generation
+        # One pass first: usually no request rewinds or holds drafts.
+        for request, d in gen if any([r.rewind_len or r.draft_tokens for r, _ in gen]) else ():
             rewind = request.rewind_len
             if rewind:
                 if not 0 < rewind <= d:
@@ -461,9 +463,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         requests, bases = note[4], note[5]
         if bases is None:
             return False
-        if list(map(_STATE, requests)).count(RequestState.GENERATION) != len(requests):
+        if [r.state for r in requests].count(RequestState.GENERATION) != len(requests):
             return False
-        gens = list(map(_GENERATED, requests))
+        gens = [r.generated for r in requests]
         return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
     def _forget(self, request: Request) -> None:
@@ -530,8 +532,6 @@ _GenerationNote = tuple[
     list[Request],
     list[int] | None,
 ]
-_STATE = operator.attrgetter("state")
-_GENERATED = operator.attrgetter("generated")
 
 
 def _primary(value: Any) -> int:

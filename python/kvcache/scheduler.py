@@ -81,7 +81,6 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _request_id = operator.attrgetter("request_id")
-_state = operator.attrgetter("state")
 #: The list form's head of registered requests: (the resource manager's epoch, the requests,
 #: their ids, their prompt lengths less one).
 _HeadCache = tuple[int, list[Request], list[int], list[int]]
@@ -301,7 +300,7 @@ class CapacityScheduler:
             cache = self._cache_head(head, unseen)
         if cache is not None:
             # The usual order: the registered requests first.
-            states = list(map(_state, head))
+            states = [r.state for r in head]
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
             if states.count(gen) + states.count(ctx) == unseen:
                 running, ids = head, cache[2]  # all of them run: their ids are cached
@@ -327,11 +326,18 @@ class CapacityScheduler:
         registrations and the head's requests stay the same (a request's id does not
         change)."""
         self._head_cache = None
-        ids = list(map(_request_id, head))
-        if len(head) != num_registered or not all(map(self._rm._running.__contains__, ids)):
+        rm = self._rm
+        if len(head) != num_registered:
             return None
-        bases = list(map(self._rm._base_of.__getitem__, ids))
-        self._head_cache = (self._rm._epoch, head, ids, bases)
+        if head == list(rm._running.values()):  # registration order: the usual case (by identity)
+            ids = list(rm._running)
+            bases = list(rm._base_of.values())  # kept in the same order
+        else:
+            ids = list(map(_request_id, head))
+            if not all(map(rm._running.__contains__, ids)):
+                return None
+            bases = list(map(rm._base_of.__getitem__, ids))
+        self._head_cache = (rm._epoch, head, ids, bases)
         return self._head_cache
 
     def _head_candidates(self, num_running: int) -> tuple[list[Request], list[Request], int]:
@@ -458,14 +464,20 @@ class CapacityScheduler:
         call (and no admission or pause changed the index), only their states are read."""
         rm = self._rm
         queue = self._queue
-        if self._index_cache is not None and self._index_cache[0] == rm._epoch:
-            run = self._running
-            states = list(map(_state, run))
+        run = self._running
+        cache = self._index_cache
+        if cache is None or cache[0] != rm._epoch:
+            # The index is the registrations, in order (compared by identity): the usual case.
+            same = run == list(rm._running.values())
+            cache = (rm._epoch, list(rm._running), list(rm._base_of.values())) if same else None
+        if cache is not None:
+            states = [r.state for r in run]
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
             if states.count(gen) + states.count(ctx) == len(run):
                 while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
                     queue.popleft()
-                return list(run), self._index_cache[1], self._index_cache[2]
+                self._index_cache = cache
+                return list(run), cache[1], cache[2]
         registered = rm._running
         kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
         if len(kept) != len(self._running):
