@@ -302,7 +302,8 @@ class CapacityScheduler:
             # The usual order: the registered requests first.
             states = [r.state for r in head]
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
-            if states.count(gen) + states.count(ctx) == unseen:
+            num_gen = states.count(gen)  # (count compares by identity first: fast on a match)
+            if num_gen == unseen or num_gen + states.count(ctx) == unseen:
                 running, ids = head, cache[2]  # all of them run: their ids are cached
             else:
                 running = [r for r, st in zip(head, states, strict=True) if st is gen or st is ctx]
@@ -473,7 +474,8 @@ class CapacityScheduler:
         if cache is not None:
             states = [r.state for r in run]
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
-            if states.count(gen) + states.count(ctx) == len(run):
+            num_gen = states.count(gen)
+            if num_gen == len(run) or num_gen + states.count(ctx) == len(run):
                 while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
                     queue.popleft()
                 self._index_cache = cache
