@@ -465,10 +465,10 @@ class CapacityScheduler:
         contexts: collections.abc.Sequence[PreparedPrompt],
         candidate_final_tokens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
     ) -> tuple[
-        list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]
+        typing.Any, typing.Any, list[int], list[int], list[int], list[int], list[int], list[int]
     ]:
         """
-        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager.
+        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates; generation and drafts are both None when every running request decodes, in order, without drafts. Paused requests are removed from the manager.
         """
 
 def _block_hashes(

@@ -405,22 +405,27 @@ class CapacityScheduler:
             taken.add(r.request_id)
         batch = out.batch
         gen_bases: list[int] | None = None
-        if len(gen) == len(running):  # every running request decodes (indices 0..n-1)
-            # Cached running requests without drafts: the entries of their last such step.
-            if bases is not None and drafts is None:
+        most = 0
+        if gen is None:  # every running request decodes, in order, without drafts
+            # Cached running requests: the entries of their last such step.
+            if bases is not None:
                 if self._pairs is None or self._pairs[0] is not ids:
-                    self._pairs = (ids, list(zip(running, ndraft, strict=True)))
+                    self._pairs = (ids, [(r, 0) for r in running])
                 batch.generation = self._pairs[1].copy()
             else:
-                batch.generation = list(zip(running, ndraft, strict=True))
+                batch.generation = [(r, 0) for r in running]
             gen_ids, gen_reqs, gen_bases = ids, running, bases
+        elif len(gen) == len(running):  # every running request decodes (indices 0..n-1)
+            batch.generation = list(zip(running, ndraft, strict=True))
+            gen_ids, gen_reqs, gen_bases = ids, running, bases
+            most = max(ndraft, default=0)
         else:
             batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
             gen_ids = [ids[i] for i in gen]
             gen_reqs = [r for r, _ in batch.generation]
             if bases is not None:
                 gen_bases = list(map(bases.__getitem__, gen))
-        most = max(ndraft, default=0) if drafts is not None else 0
+            most = max(ndraft, default=0)
         rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases)
         batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
