@@ -75,6 +75,7 @@ from typing import Any, Protocol
 from kvcache._core import PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.estimates import ResourceEstimates, peak_live_blocks
+from kvcache.forks import ForkResources
 from kvcache.manager import KVCacheManager
 from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
 from kvcache.step_checks import StepChecks
@@ -95,12 +96,7 @@ class EventPublisher(Protocol):
         """Publishes the events of the step that just ended."""
 
 
-def _as_dict(blocks: Mapping[int, int]) -> Any:
-    """A mapping as a dict for the core; anything else as is, for the core's ValueError."""
-    return dict(blocks) if isinstance(blocks, Mapping) else blocks
-
-
-class KVCacheResourceManager(ResourceEstimates, StepChecks):
+class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
     """Drives one :class:`kvcache.KVCacheManager` request by request, step by step.
 
     Args:
@@ -225,31 +221,6 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
     def max_batch_size(self) -> int:
         """Most requests registered at once."""
         return int(self._manager.max_batch_size)
-
-    def num_primary_blocks(self, window_size: int) -> int:
-        """Primary blocks of a window's pool (its initial blocks under ``lend_free_memory``;
-        ``manager.blocks_per_window`` has what it owns now)."""
-        if window_size not in self._primary:
-            raise ValueError(
-                f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
-            )
-        return self._primary[window_size]
-
-    def get_num_used_blocks(self, window_size: int) -> int:
-        """Primary blocks of a window that requests (or pins) hold now."""
-        return int(self._manager.get_num_used_blocks(window_size))
-
-    def can_allocate(self, blocks: Mapping[int, int]) -> bool:
-        """Whether every window can hand out ``blocks[window]`` blocks at once now (a
-        negative count is a credit: the window frees that many first). Per window this is
-        ``blocks[w] <= get_num_free_blocks(w)``; under ``lend_free_memory`` the windows also
-        compete for the memory they can borrow, which only this joint check sees."""
-        return bool(self._manager.can_allocate(_as_dict(blocks)))
-
-    def fits_when_empty(self, blocks: Mapping[int, int]) -> bool:
-        """Whether the pools could hold ``blocks[window]`` blocks of every window at once if
-        nothing else held any (under ``lend_free_memory``: in the whole shared memory)."""
-        return bool(self._manager.fits_when_empty(_as_dict(blocks)))
 
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
@@ -403,39 +374,6 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         self._epoch += 1
         self._forked.discard(request.request_id)
 
-    def fork_resources(self, parent: Request, children: Sequence[Request]) -> None:
-        """Beam search and parallel sampling: registers each child as a fork of ``parent``
-        (``KVCacheManager.fork_sequence``), sharing every block the parent holds.
-
-        The parent must be generating; each child is a new :class:`Request` (waiting, not
-        registered) with the parent's prompt, ``max_new_tokens`` and generated tokens but for
-        the newest one, which may differ (its first step writes it: after the prompt each beam
-        continues with its own token, and its first write into the shared partial block copies
-        that block). The children then run as generation requests of their own: their tokens
-        go into the same ``add_tokens`` call as the parent's, ``free_resources`` prunes one,
-        and the estimates count each. A parent with ``num_beams`` or ``n`` above 1 is no
-        longer charged for beams it has not forked. All or nothing.
-
-        Raises:
-            TypeError: ``parent`` or a child is not a :class:`Request`.
-            KeyError: ``parent`` holds no blocks.
-            ValueError: ``parent`` is not generating; a child is registered, repeated, not
-                waiting, or its prompt, ``max_new_tokens`` or generated tokens (all but the
-                newest) differ from the parent's.
-        """
-        self._check_fork(parent, children)
-        pid = parent.request_id
-        self._manager.fork_sequence(pid, [c.request_id for c in children])
-        for child in children:
-            self._manager._set_final_tokens(child.request_id, child.max_kv_tokens)
-            self._running[child.request_id] = child
-            self._base_of[child.request_id] = len(child.prompt) - 1
-            self._epoch += 1
-            child.state = RequestState.GENERATION
-            child.context_position = parent.context_position
-            child.reused_tokens = 0
-        self._forked.add(pid)
-
     # ------------------------------------------------------------------ internals
 
     def _note_generation(
@@ -468,6 +406,12 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         gens = [r.generated for r in requests]
         return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
+    def _register(self, request: Request) -> None:
+        """Records a request whose sequence was just registered (or forked)."""
+        self._running[request.request_id] = request
+        self._base_of[request.request_id] = len(request.prompt) - 1
+        self._epoch += 1
+
     def _forget(self, request: Request) -> None:
         """Drops a request whose sequence the native scheduler removed (a pause)."""
         del self._running[request.request_id]
@@ -497,9 +441,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks):
         )
         self._prepared.pop(request.request_id, None)
         self._manager._set_final_tokens(request.request_id, request.max_kv_tokens)
-        self._running[request.request_id] = request
-        self._base_of[request.request_id] = len(request.prompt) - 1
-        self._epoch += 1
+        self._register(request)
         request.reused_tokens = reused
         request.context_position = reused
         request.state = RequestState.CONTEXT

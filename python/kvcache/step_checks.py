@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from kvcache._core import OutOfBlocksError
 from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState, _check_type
+from kvcache.request import Request, RequestState
 
 __all__ = ["StepChecks"]
 
@@ -123,38 +123,3 @@ class StepChecks:
                     f"{request.remaining_new_tokens} tokens left to generate)"
                 )
         return most
-
-    def _check_fork(self, parent: Request, children: Sequence[Request]) -> None:
-        """Everything :meth:`KVCacheResourceManager.fork_resources` checks before it forks."""
-        _check_type("parent", parent, Request)
-        for child in children:
-            _check_type("child", child, Request)
-        pid = parent.request_id
-        if pid not in self._running:
-            raise KeyError(f"request {pid} holds no KV cache blocks")
-        if parent.state is not RequestState.GENERATION:
-            raise ValueError(
-                f"request {pid}: fork a generating request (state {parent.state.value})"
-            )
-        seen: set[int] = set()
-        cached = parent.generated[:-1]
-        for child in children:
-            cid = child.request_id
-            if cid in self._running or cid in seen or cid == pid:
-                raise ValueError(f"fork_resources: child request {cid} is registered or repeated")
-            seen.add(cid)
-            if child.state is not RequestState.WAITING:
-                raise ValueError(
-                    f"request {cid}: a child must be waiting (state {child.state.value})"
-                )
-            same = (
-                list(child.prompt) == list(parent.prompt)
-                and child.max_new_tokens == parent.max_new_tokens
-                and len(child.generated) == len(parent.generated)
-                and child.generated[:-1] == cached
-            )
-            if not same:
-                raise ValueError(
-                    f"request {cid}: a child of request {pid} needs its prompt, max_new_tokens "
-                    "and generated tokens (all but the newest)"
-                )
