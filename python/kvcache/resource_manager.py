@@ -137,6 +137,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         # What the scheduler knows of the generation entries of the batch it just built (see
         # _note_generation); prepare_resources uses it only if the entries are unchanged.
         self._gen_note: _GenerationNote | None = None
+        self._gen_ran: _GenerationNote | None = None  # the note of the last prepared batch
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
@@ -287,6 +288,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
                     batch.context[k] = (request, rest)
             note, self._gen_note = self._gen_note, None
             if note is not None and note[0] is gen and gen == note[1]:  # as scheduled
+                self._gen_ran = note  # for update_resources: the same entries' requests
                 gen_ids = note[2]
                 drafts = self._check_drafts(gen) if note[3] else 0
                 if next_tokens is None and gen and not prefills and self._add_noted(note):
@@ -334,8 +336,13 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
             if request.request_id in self._running:
                 self._check_context_step(request)
         gen = batch.generation
+        ran_note, self._gen_ran = self._gen_ran, None
+        if ran_note is not None and ran_note[0] is gen and gen == ran_note[1]:
+            requests = ran_note[4]  # the entries prepare_resources ran, unchanged
+        else:
+            requests = [r for r, _ in gen]
         # One pass first: usually no request rewinds or holds drafts.
-        for request, d in gen if any([r.rewind_len or r.draft_tokens for r, _ in gen]) else ():
+        for request, d in gen if any([r.rewind_len or r.draft_tokens for r in requests]) else ():
             rewind = request.rewind_len
             if rewind:
                 if not 0 < rewind <= d:

@@ -65,6 +65,7 @@ import itertools
 import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvcache import _core
 from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -81,6 +82,7 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _request_id = operator.attrgetter("request_id")
+_EMPTY: list[Any] = []  # never changed: the empty candidate lists of a full batch
 #: The list form's head of registered requests: (the resource manager's epoch, the requests,
 #: their ids, their prompt lengths less one).
 _HeadCache = tuple[int, list[Request], list[int], list[int]]
@@ -389,13 +391,14 @@ class CapacityScheduler:
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
         if ids is None:
             ids = [r.request_id for r in running]
+        if candidates:
+            cand_ids = [r.request_id for r in candidates]
+            contexts = [rm._prompt(r) for r in candidates]
+            finals = [r.max_kv_tokens for r in candidates]
+        else:  # the usual full batch: nothing to convert
+            cand_ids = contexts = finals = _EMPTY
         gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
-            ids,
-            None,
-            drafts,
-            [r.request_id for r in candidates],
-            [rm._prompt(r) for r in candidates],
-            [r.max_kv_tokens for r in candidates],
+            ids, None, drafts, cand_ids, contexts, finals
         )
         taken = out._taken
         for i in paused:
@@ -427,7 +430,8 @@ class CapacityScheduler:
                 gen_bases = list(map(bases.__getitem__, gen))
             most = max(ndraft, default=0)
         rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases)
-        batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
+        if chunked:
+            batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
             batch.context.append((r, k))
