@@ -41,14 +41,17 @@ so the same script measures a rewritten scheduler or resource manager unchanged.
     requests or more wait behind the running ones throughout (about ``N + 50`` with the
     defaults: some 140 of the first 192 are admitted by the last step); ``--warmup`` steps
     (default 100: the batch fills up) are run untimed, then ``--steps`` steps (default 200)
-    are measured: median step µs, median schedule µs, median waiting requests
-    (``SchedulerOutput.waiting``) and batch size, per ``N``. A flat step cost means the step
-    does not walk the whole queue.
+    are measured: median step µs, median schedule µs, the waiting requests after the last
+    measured step (``SchedulerOutput.waiting``, read once after the timing: reading it walks
+    the whole queue, and doing that every step would evict the running requests from the CPU
+    caches and slow the timed parts of the next step) and the median batch size, per ``N``.
+    A flat step cost means the step does not walk the whole queue.
 
 ``--batch-form`` runs (a) or (b) with the batch form of the step: the scheduler's index form
 (``add_request`` at arrival, ``schedule()``) and ``prepare_resources(batch, next_tokens=...)``
 with the step's newest tokens as one list (built inside the timed part), which skips the
-per-request consistency check of the request objects. Needs this commit's kvcache.
+per-request consistency check of the request objects. A kvcache without the batch form
+(before issue 23) runs its list form instead, and says so (``"form"`` in the JSON).
 
 (c) ``--compare PYTHON``: runs the benchmark chosen by the other flags (replay, or
     ``--waiting``) under this interpreter and under ``PYTHON`` (e.g. a venv holding an older
@@ -59,12 +62,15 @@ per-request consistency check of the request objects. Needs this commit's kvcach
     run on one machine, so the ratio holds although the machine's speed drifts. For the
     replay it also prints both sides' steps, hit rate, pauses, rejected and completed
     requests (first round): a rewrite that schedules differently shows there, and its
-    timings then compare different work.
+    timings then compare different work. ``--batch-form`` goes to both sides; a side whose
+    kvcache lacks the batch form runs its list form, and the table's header and a NOTE line
+    say which form each side ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import subprocess
@@ -97,6 +103,8 @@ PART_LABELS = {
 MAX_NUM_BATCHED_TOKENS = 8192  # the scheduler's default, passed explicitly
 WAITING_BASE = 192  # requests ahead of the N extra ones in --waiting (running or finished)
 _DONE = (RequestState.FINISHED, RequestState.FAILED)
+#: The step form a --batch-form run reports when its kvcache lacks the batch form.
+FALLBACK_FORM = "list (no batch form in this kvcache)"
 # Shared Python ints for the token ids, so that long traces (--waiting 10000: ~26 million
 # prompt tokens) hold 8 bytes per token, not a fresh int object each.
 _INTS = np.array(list(range(VOCAB)), dtype=object)
@@ -160,7 +168,7 @@ class EngineRun:
     policy: str
     ns: dict[str, list[int]] = field(default_factory=lambda: {p: [] for p in (*PARTS, "step")})
     batch: list[int] = field(default_factory=list)  # requests in each measured step's batch
-    waiting: list[int] = field(default_factory=list)  # SchedulerOutput.waiting per step
+    waiting: list[int] = field(default_factory=list)  # SchedulerOutput.waiting, last step
     steps: int = 0  # every step run, warm-up included
     pause_events: int = 0  # sum of len(SchedulerOutput.paused)
     num_pauses: int = 0  # sum of Request.num_pauses
@@ -169,6 +177,17 @@ class EngineRun:
     requests: int = 0
     hit_rate: float = 0.0
     wall_s: float = 0.0
+
+
+def batch_form_available() -> bool:
+    """Whether this interpreter's kvcache has the batch form of the step (the scheduler's
+    ``add_request`` and ``prepare_resources(..., next_tokens=...)``); builds before issue 23
+    lack it."""
+    try:
+        params = inspect.signature(KVCacheResourceManager.prepare_resources).parameters
+    except (TypeError, ValueError):
+        return False
+    return hasattr(CapacityScheduler, "add_request") and "next_tokens" in params
 
 
 def run_engine(
@@ -230,14 +249,24 @@ def run_engine(
                 ns[name].append(v)
             ns["step"].append(sum(parts))
             run.batch.append(len(batch))
-            run.waiting.append(len(out.waiting))
         run.steps += 1
         run.pause_events += len(out.paused)
         run.rejected += len(out.rejected)
         run.completed += len(done)
-        if done or out.rejected:
+        if out.rejected:
             active = [r for r in active if r.state not in _DONE]
+        else:
+            # The finished requests run, so they sit near the front of the list: removing each
+            # there leaves the waiting requests behind untouched (a copy of the whole list would
+            # walk them all every few steps, evicting the running ones from the CPU caches).
+            for r in done:
+                active.remove(r)
     run.wall_s = time.perf_counter() - wall0
+    if run.steps > warmup:
+        # Read once, after the timing: SchedulerOutput.waiting walks the whole queue, and doing
+        # so every step evicts the running requests from the CPU caches, which slowed the next
+        # step's timed parts by a third with 10,000 waiting (the step itself never walks it).
+        run.waiting.append(len(out.waiting))
     run.num_pauses = sum(r.num_pauses for r in reqs)
     run.hit_rate = float(manager.get_kv_cache_stats().cache_hit_rate)
     return run
@@ -395,7 +424,19 @@ def bench_waiting(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
 def run_benchmark(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     """The replay, or the waiting-queue sweep; returns the JSON document."""
     args.clock_ns = clock_floor_ns()
+    form = "batch" if args.batch_form else "list"
+    if args.batch_form and not batch_form_available():
+        # An older kvcache (e.g. the baseline of --compare): its list form instead, said so.
+        args.batch_form = False
+        form = FALLBACK_FORM
+        print(
+            "note: --batch-form asked for, but this kvcache has no batch form (no "
+            "CapacityScheduler.add_request / prepare_resources(next_tokens=...)): "
+            "measuring its list form instead",
+            file=out,
+        )
     doc: dict[str, Any] = {
+        "form": form,
         "kvcache": {"version": kvcache.__version__, "path": str(Path(kvcache.__file__).parent)},
         "python": sys.executable,
         "seed": args.seed,
@@ -419,6 +460,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out.append("--quick")
     if args.no_lend:
         out.append("--no-lend")
+    if args.batch_form:
+        out.append("--batch-form")
     if args.waiting:
         out += ["--waiting", *map(str, args.waiting)]
         out += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
@@ -466,12 +509,19 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             )
     this = [_metrics(d) for d in docs["this"]]
     other = [_metrics(d) for d in docs["other"]]
+    forms = {who: docs[who][0].get("form", "list") for who in pythons}
     print(
         f"(c) {args.rounds} rounds in alternating order; medians over the rounds of each "
         f"run's median µs per step\n  this:  {pythons['this']} "
-        f"(kvcache at {docs['this'][0]['kvcache']['path']})\n  other: {pythons['other']} "
-        f"(kvcache at {docs['other'][0]['kvcache']['path']})"
+        f"(kvcache at {docs['this'][0]['kvcache']['path']}; {forms['this']} form)\n"
+        f"  other: {pythons['other']} "
+        f"(kvcache at {docs['other'][0]['kvcache']['path']}; {forms['other']} form)"
     )
+    if forms["this"] != forms["other"]:
+        print(
+            f"  NOTE: the sides ran different forms of the step (this: {forms['this']}; "
+            f"other: {forms['other']}): the ratios compare the one form against the other"
+        )
     print(
         f"  {'metric':<46}{'this µs':>10}{'other µs':>10}{'other/this':>12}{'range of ratios':>17}"
     )
@@ -493,7 +543,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             + ", ".join(f"{k} {a[k]:g} / {b[k]:g}" for k in _BEHAVIOUR)
             + (" (this / other, first round: the same)" if same else " (this / other: DIFFER)")
         )
-    return {"pythons": pythons, "rounds": docs, "medians": table}
+    return {"pythons": pythons, "forms": forms, "rounds": docs, "medians": table}
 
 
 # ----------------------------------------------------------------------------- main

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -200,7 +201,13 @@ void BindScheduler(py::module_& m) {
                                        running.size(), candidates.data(), candidates.size(), fams);
             // Running requests by their index in `running`: the caller holds them in that order.
             auto positions = [](const std::vector<SeqId>& ids) { return PositionsIn(running, ids); };
-            return py::make_tuple(positions(p.generation), p.drafts, positions(p.chunks), p.chunk_sizes, p.admitted,
+            // The usual decode step (every running request, in order, no drafts): None for both
+            // lists, so that no per-request list is built.
+            const bool all_decode = p.generation == running &&
+                                    std::all_of(p.drafts.begin(), p.drafts.end(), [](std::int32_t d) { return d == 0; });
+            py::object generation = all_decode ? py::none() : py::cast(positions(p.generation));
+            py::object drafts_out = all_decode ? py::none() : py::cast(p.drafts);
+            return py::make_tuple(generation, drafts_out, positions(p.chunks), p.chunk_sizes, p.admitted,
                                   p.admitted_chunks, positions(p.paused), p.rejected);
           },
           py::arg("running"), py::arg("final_tokens"), py::arg("drafts"), py::arg("candidate_ids"),
@@ -208,7 +215,8 @@ void BindScheduler(py::module_& m) {
           py::arg("beams") = py::none(), py::arg("candidate_families") = py::none(),
           py::arg("candidate_beams") = py::none(), py::arg("waiting_families") = py::none(),
           "Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, "
-          "paused, rejected candidates), requests as indices into running or the candidates. Paused requests "
+          "paused, rejected candidates), requests as indices into running or the candidates; generation and "
+          "drafts are both None when every running request decodes, in order, without drafts. Paused requests "
           "are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family "
           "decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request "
           "(guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which "

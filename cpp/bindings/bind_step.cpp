@@ -131,6 +131,46 @@ PyObject* AddTokens(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject*
   return NewNone();
 }
 
+PyObject* AddGenerated(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
+  // The list form of a decode step in one call: checks every generation request's cached length
+  // against its generated tokens (bases[i] + len(generated[i]) = num_tokens, bases[i] being its
+  // prompt length less one) and appends each one's newest token, generated[i][-1]. Reads the
+  // lists in place; returns -1 once added, else the first index that failed a check (nothing
+  // added: the caller checks request by request, which names the error).
+  static constexpr FastParams<3> kParams{"_add_generated", {"request_ids", "generated", "bases"}, 3, 3};
+  const auto a = ParseArgs(kParams, args, nargsf, kwnames);
+  thread_local std::vector<SeqId> ids;
+  thread_local std::vector<std::int32_t> lengths;
+  thread_local std::vector<TokenId> toks;
+  ToRequestIds(a[0], "request_ids", &ids);
+  PyObject* gens = a[1];
+  PyObject* bases = a[2];
+  const auto n = static_cast<Py_ssize_t>(ids.size());
+  if (!PyList_Check(gens) || !PyList_Check(bases) || PyList_GET_SIZE(gens) != n || PyList_GET_SIZE(bases) != n) {
+    ThrowInvalid("_add_generated: request_ids, generated and bases must be lists of equal length");
+  }
+  lengths.resize(ids.size());
+  toks.resize(ids.size());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* g = PyList_GET_ITEM(gens, i);
+    PyObject* b = PyList_GET_ITEM(bases, i);
+    if (!PyList_Check(g) || PyList_GET_SIZE(g) == 0 || !PyLong_CheckExact(b)) return NewInt(i);
+    PyObject* last = PyList_GET_ITEM(g, PyList_GET_SIZE(g) - 1);
+    if (!PyLong_CheckExact(last)) return NewInt(i);  // a bool, numpy int, ...: the caller's path
+    int overflow = 0;
+    const long long base = PyLong_AsLongLongAndOverflow(b, &overflow);
+    const long long token = overflow == 0 ? PyLong_AsLongLongAndOverflow(last, &overflow) : 0;
+    const long long length = base + static_cast<long long>(PyList_GET_SIZE(g));
+    if (overflow != 0 || token < 0 || token > INT32_MAX || length < 0 || length > INT32_MAX) return NewInt(i);
+    lengths[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(length);
+    toks[static_cast<std::size_t>(i)] = static_cast<TokenId>(token);
+  }
+  const std::int64_t k = self.FirstLengthMismatch(ids.data(), lengths.data(), ids.size());
+  if (k >= 0) return NewInt(k);
+  WithoutGilIf(self.MayCopyBlocks(), [&] { self.AddTokens(ids.data(), toks.data(), ids.size()); });
+  return NewInt(-1);
+}
+
 PyObject* AddSequencePlain(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {
   // The common admission (no priorities, keys from the prompt): few arguments to parse.
   static constexpr FastParams<3> kParams{"_add_sequence_plain", {"request_id", "tokens", "prefill"}, 3, 2};
@@ -198,6 +238,12 @@ PyMethodDef step_methods[] = {
     FastMethod<AddTokens>("add_tokens",
                           "add_tokens(self: kvcache._core.KVCacheManager, request_ids: object, tokens: object) -> None\n\n"
                           "Appends tokens[i] to request_ids[i] for a whole batch; all or nothing.\n"),
+    FastMethod<AddGenerated>("_add_generated",
+                             "_add_generated(self: kvcache._core.KVCacheManager, request_ids: object, generated: "
+                             "list, bases: list) -> int\n\n"
+                             "A decode step's newest tokens from the requests' generated lists: checks each cached "
+                             "length (bases[i] + len(generated[i])), then appends each generated[i][-1]; -1 once "
+                             "added, else the first index that failed a check (nothing added).\n"),
     FastMethod<AddSequencePlain>("_add_sequence_plain",
                                  "_add_sequence_plain(self: kvcache._core.KVCacheManager, request_id: "
                                  "typing.SupportsIndex, tokens: object, prefill: typing.SupportsIndex | None = None) "

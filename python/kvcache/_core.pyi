@@ -138,6 +138,10 @@ class KVCacheManager:
         shared_cache_timeout_ms: typing.SupportsIndex = 5,
         shared_cache_queue_bytes: typing.SupportsIndex = 67108864,
     ) -> None: ...
+    def _add_generated(self, request_ids: typing.Any, generated: list, bases: list) -> int:
+        """
+        A decode step's newest tokens from the requests' generated lists: checks each cached length (bases[i] + len(generated[i])), then appends each generated[i][-1]; -1 once added, else the first index that failed a check (nothing added).
+        """
     def _add_sequence(
         self,
         request_id: typing.SupportsIndex,
@@ -486,10 +490,10 @@ class CapacityScheduler:
         waiting_families: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
         | None = None,
     ) -> tuple[
-        list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]
+        typing.Any, typing.Any, list[int], list[int], list[int], list[int], list[int], list[int]
     ]:
         """
-        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates. Paused requests are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request (guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which do not decode.
+        Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates; generation and drafts are both None when every running request decodes, in order, without drafts. Paused requests are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request (guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which do not decode.
         """
 
 def _block_hashes(

@@ -30,7 +30,8 @@ state is mirrored here: the resource manager keeps only which requests it regist
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvcache import _core as _block_math
 from kvcache._core import PreparedPrompt
@@ -78,12 +79,17 @@ def peak_live_blocks(lo: int, hi: int, *, keep: int, tokens_per_block: int, fron
     return int(_block_math.peak_live_blocks(lo, hi, keep, tokens_per_block, front))
 
 
+def _as_dict(blocks: Mapping[int, int]) -> Any:
+    """A mapping as a dict for the core; anything else as is, for the core's ValueError."""
+    return dict(blocks) if isinstance(blocks, Mapping) else blocks
+
+
 class ResourceEstimates:
     """Per-window block estimates for requests: the estimate half of the resource manager.
 
     Attributes used (set by :class:`kvcache.resource_manager.KVCacheResourceManager`):
     ``_manager``, ``_windows``, ``_tpb``, ``_max_draft``, ``_reuse``, ``_running``,
-    ``_prepared``, ``_forked``.
+    ``_prepared``, ``_forked``, ``_primary``.
     """
 
     _manager: KVCacheManager
@@ -94,6 +100,7 @@ class ResourceEstimates:
     _running: dict[int, Request]
     _prepared: dict[int, PreparedPrompt]
     _forked: set[int]
+    _primary: dict[int, int]
 
     def num_draft_tokens_for(self, request: Request) -> int:
         """Drafts usable in the request's next step: at most its drafts, the manager's
@@ -102,6 +109,33 @@ class ResourceEstimates:
         return max(
             0, min(len(request.draft_tokens), self._max_draft, request.remaining_new_tokens - 1)
         )
+
+    # ------------------------------------------------------------------ pool queries
+
+    def num_primary_blocks(self, window_size: int) -> int:
+        """Primary blocks of a window's pool (its initial blocks under ``lend_free_memory``;
+        ``manager.blocks_per_window`` has what it owns now)."""
+        if window_size not in self._primary:
+            raise ValueError(
+                f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
+            )
+        return self._primary[window_size]
+
+    def get_num_used_blocks(self, window_size: int) -> int:
+        """Primary blocks of a window that requests (or pins) hold now."""
+        return int(self._manager.get_num_used_blocks(window_size))
+
+    def can_allocate(self, blocks: Mapping[int, int]) -> bool:
+        """Whether every window can hand out ``blocks[window]`` blocks at once now (a
+        negative count is a credit: the window frees that many first). Per window this is
+        ``blocks[w] <= get_num_free_blocks(w)``; under ``lend_free_memory`` the windows also
+        compete for the memory they can borrow, which only this joint check sees."""
+        return bool(self._manager.can_allocate(_as_dict(blocks)))
+
+    def fits_when_empty(self, blocks: Mapping[int, int]) -> bool:
+        """Whether the pools could hold ``blocks[window]`` blocks of every window at once if
+        nothing else held any (under ``lend_free_memory``: in the whole shared memory)."""
+        return bool(self._manager.fits_when_empty(_as_dict(blocks)))
 
     # ------------------------------------------------------------------ estimates
 

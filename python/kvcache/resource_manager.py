@@ -72,12 +72,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from kvcache._core import OutOfBlocksError, PreparedPrompt
+from kvcache._core import PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.estimates import ResourceEstimates, peak_live_blocks
-from kvcache.families import join_family
+from kvcache.forks import ForkResources
 from kvcache.manager import KVCacheManager
 from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
+from kvcache.step_checks import StepChecks
 
 __all__ = [
     "KVCacheResourceManager",
@@ -95,12 +96,7 @@ class EventPublisher(Protocol):
         """Publishes the events of the step that just ended."""
 
 
-def _as_dict(blocks: Mapping[int, int]) -> Any:
-    """A mapping as a dict for the core; anything else as is, for the core's ValueError."""
-    return dict(blocks) if isinstance(blocks, Mapping) else blocks
-
-
-class KVCacheResourceManager(ResourceEstimates):
+class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
     """Drives one :class:`kvcache.KVCacheManager` request by request, step by step.
 
     Args:
@@ -130,11 +126,18 @@ class KVCacheResourceManager(ResourceEstimates):
         self._max_draft: int = int(getattr(manager, "max_draft_tokens", 0))
         self._primary = {w: int(_primary(v)) for w, v in manager.blocks_per_window.items()}
         self._running: dict[int, Request] = {}  # registered requests (they hold blocks)
+        # Bumped whenever _running changes: the scheduler's caches of it are valid while equal.
+        self._epoch = 0
+        # Registered request id -> its prompt length less one (a decode step's cached length
+        # is that plus its generated tokens), read once at registration. Changed with
+        # _running, so both keep the same order.
+        self._base_of: dict[int, int] = {}
         self._forked: set[int] = set()  # requests whose beams were forked (fork_resources)
         self._prepared: dict[int, PreparedPrompt] = {}  # waiting requests' contexts
         # What the scheduler knows of the generation entries of the batch it just built (see
         # _note_generation); prepare_resources uses it only if the entries are unchanged.
         self._gen_note: _GenerationNote | None = None
+        self._gen_ran: _GenerationNote | None = None  # the note of the last prepared batch
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
@@ -220,31 +223,6 @@ class KVCacheResourceManager(ResourceEstimates):
         """Most requests registered at once."""
         return int(self._manager.max_batch_size)
 
-    def num_primary_blocks(self, window_size: int) -> int:
-        """Primary blocks of a window's pool (its initial blocks under ``lend_free_memory``;
-        ``manager.blocks_per_window`` has what it owns now)."""
-        if window_size not in self._primary:
-            raise ValueError(
-                f"window_size {window_size!r} is not one of this manager's windows {self._windows}"
-            )
-        return self._primary[window_size]
-
-    def get_num_used_blocks(self, window_size: int) -> int:
-        """Primary blocks of a window that requests (or pins) hold now."""
-        return int(self._manager.get_num_used_blocks(window_size))
-
-    def can_allocate(self, blocks: Mapping[int, int]) -> bool:
-        """Whether every window can hand out ``blocks[window]`` blocks at once now (a
-        negative count is a credit: the window frees that many first). Per window this is
-        ``blocks[w] <= get_num_free_blocks(w)``; under ``lend_free_memory`` the windows also
-        compete for the memory they can borrow, which only this joint check sees."""
-        return bool(self._manager.can_allocate(_as_dict(blocks)))
-
-    def fits_when_empty(self, blocks: Mapping[int, int]) -> bool:
-        """Whether the pools could hold ``blocks[window]`` blocks of every window at once if
-        nothing else held any (under ``lend_free_memory``: in the whole shared memory)."""
-        return bool(self._manager.fits_when_empty(_as_dict(blocks)))
-
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
         _check_type("request", request, Request)
@@ -310,20 +288,26 @@ class KVCacheResourceManager(ResourceEstimates):
                     batch.context[k] = (request, rest)
             note, self._gen_note = self._gen_note, None
             if note is not None and note[0] is gen and gen == note[1]:  # as scheduled
+                self._gen_ran = note  # for update_resources: the same entries' requests
                 gen_ids = note[2]
                 drafts = self._check_drafts(gen) if note[3] else 0
+                if next_tokens is None and gen and not prefills and self._add_noted(note):
+                    rounds = 1  # checked and added in one native call
             else:
                 gen_ids = [r.request_id for r, _ in gen]
                 drafts = self._check_drafts(gen) if gen else 0
-            if next_tokens is None and gen:
-                self._check_generation(gen, gen_ids)
-            if prefills:
+            if gen and not rounds:
+                if next_tokens is None:
+                    self._check_generation(gen, gen_ids)
+                if prefills:
+                    self._check_step_fits(gen, prefills)
+                newest = [r.generated[-1] for r, _ in gen] if next_tokens is None else next_tokens
+                self._manager.add_tokens(gen_ids, newest)
+                rounds = 1
+            elif prefills:
                 self._check_step_fits(gen, prefills)
             if gen:
                 add = self._manager.add_tokens
-                newest = [r.generated[-1] for r, _ in gen] if next_tokens is None else next_tokens
-                add(gen_ids, newest)
-                rounds = 1
                 for j in range(drafts):
                     step = [r for r, d in gen if d > j]
                     add([r.request_id for r in step], [r.draft_tokens[j] for r in step])
@@ -351,7 +335,14 @@ class KVCacheResourceManager(ResourceEstimates):
         for request, _ in batch.context:
             if request.request_id in self._running:
                 self._check_context_step(request)
-        for request, d in batch.generation:
+        gen = batch.generation
+        ran_note, self._gen_ran = self._gen_ran, None
+        if ran_note is not None and ran_note[0] is gen and gen == ran_note[1]:
+            requests = ran_note[4]  # the entries prepare_resources ran, unchanged
+        else:
+            requests = [r for r, _ in gen]
+        # One pass first: usually no request rewinds or holds drafts.
+        for request, d in gen if any([r.rewind_len or r.draft_tokens for r in requests]) else ():
             rewind = request.rewind_len
             if rewind:
                 if not 0 < rewind <= d:
@@ -386,87 +377,53 @@ class KVCacheResourceManager(ResourceEstimates):
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
         del self._running[request.request_id]
+        del self._base_of[request.request_id]
+        self._epoch += 1
         self._forked.discard(request.request_id)
-
-    def fork_resources(self, parent: Request, children: Sequence[Request]) -> None:
-        """Beam search and parallel sampling: registers each child as a fork of ``parent``
-        (``KVCacheManager.fork_sequence``), sharing every block the parent holds.
-
-        The parent must be generating; each child is a new :class:`Request` (waiting, not
-        registered) with the parent's prompt, ``max_new_tokens`` and generated tokens but for
-        the newest one, which may differ (its first step writes it: after the prompt each beam
-        continues with its own token, and its first write into the shared partial block copies
-        that block). The children then run as generation requests of their own: their tokens
-        go into the same ``add_tokens`` call as the parent's, ``free_resources`` prunes one,
-        and the estimates count each. Parent and children join one beam family
-        (:attr:`Request.family_id`, the first parent's id), which the scheduler decodes, pauses
-        and resumes as one. A parent with ``num_beams`` or ``n`` above 1 is no
-        longer charged for beams it has not forked. All or nothing.
-
-        Raises:
-            TypeError: ``parent`` or a child is not a :class:`Request`.
-            KeyError: ``parent`` holds no blocks.
-            ValueError: ``parent`` is not generating; a child is registered, repeated, not
-                waiting, or its prompt, ``max_new_tokens`` or generated tokens (all but the
-                newest) differ from the parent's.
-        """
-        _check_type("parent", parent, Request)
-        for child in children:
-            _check_type("child", child, Request)
-        pid = parent.request_id
-        if pid not in self._running:
-            raise KeyError(f"request {pid} holds no KV cache blocks")
-        if parent.state is not RequestState.GENERATION:
-            raise ValueError(
-                f"request {pid}: fork a generating request (state {parent.state.value})"
-            )
-        seen: set[int] = set()
-        cached = parent.generated[:-1]
-        for child in children:
-            cid = child.request_id
-            if cid in self._running or cid in seen or cid == pid:
-                raise ValueError(f"fork_resources: child request {cid} is registered or repeated")
-            seen.add(cid)
-            if child.state is not RequestState.WAITING:
-                raise ValueError(
-                    f"request {cid}: a child must be waiting (state {child.state.value})"
-                )
-            same = (
-                list(child.prompt) == list(parent.prompt)
-                and child.max_new_tokens == parent.max_new_tokens
-                and len(child.generated) == len(parent.generated)
-                and child.generated[:-1] == cached
-            )
-            if not same:
-                raise ValueError(
-                    f"request {cid}: a child of request {pid} needs its prompt, max_new_tokens "
-                    "and generated tokens (all but the newest)"
-                )
-        self._manager.fork_sequence(pid, [c.request_id for c in children])
-        join_family(parent, children)
-        for child in children:
-            self._manager._set_final_tokens(child.request_id, child.max_kv_tokens)
-            self._running[child.request_id] = child
-            child.state = RequestState.GENERATION
-            child.context_position = parent.context_position
-            child.reused_tokens = 0
-        self._forked.add(pid)
 
     # ------------------------------------------------------------------ internals
 
     def _note_generation(
-        self, gen: list[tuple[Request, int]], ids: list[int], most_drafts: int
+        self,
+        gen: list[tuple[Request, int]],
+        ids: list[int],
+        most_drafts: int,
+        requests: list[Request],
+        bases: list[int] | None,
     ) -> None:
         """The scheduler's note on the batch it built: its generation entries (the list and
-        a copy), their request ids and the most draft tokens among them. The next
-        ``prepare_resources`` takes the ids from here instead of reading every request,
-        if that batch's ``generation`` is the same list with the same entries (compared by
-        identity, in C), and checks drafts only if some entry has any."""
-        self._gen_note = (gen, list(gen), ids, most_drafts)
+        a copy), their request ids, the most draft tokens among them, the requests and their
+        prompt lengths less one. The next ``prepare_resources`` takes these from here instead
+        of reading every request, if that batch's ``generation`` is the same list with the
+        same entries (compared by identity, in C), and checks drafts only if some entry has
+        any."""
+        self._gen_note = (gen, list(gen), ids, most_drafts, requests, bases)
+
+    def _add_noted(self, note: _GenerationNote) -> bool:
+        """Appends the noted generation requests' newest tokens, checked as
+        :meth:`_check_generation` checks them (in generation, cached length ``len(prompt) +
+        len(generated) - 1``), in one native call; False, with nothing added, if the note has
+        no prompt lengths or some check fails (the caller then checks request by request,
+        which raises)."""
+        requests, bases = note[4], note[5]
+        if bases is None:
+            return False
+        if [r.state for r in requests].count(RequestState.GENERATION) != len(requests):
+            return False
+        gens = [r.generated for r in requests]
+        return int(self._manager._add_generated(note[2], gens, bases)) < 0
+
+    def _register(self, request: Request) -> None:
+        """Records a request whose sequence was just registered (or forked)."""
+        self._running[request.request_id] = request
+        self._base_of[request.request_id] = len(request.prompt) - 1
+        self._epoch += 1
 
     def _forget(self, request: Request) -> None:
         """Drops a request whose sequence the native scheduler removed (a pause)."""
         del self._running[request.request_id]
+        del self._base_of[request.request_id]
+        self._epoch += 1
         self._forked.discard(request.request_id)
 
     # --- mutations
@@ -491,102 +448,10 @@ class KVCacheResourceManager(ResourceEstimates):
         )
         self._prepared.pop(request.request_id, None)
         self._manager._set_final_tokens(request.request_id, request.max_kv_tokens)
-        self._running[request.request_id] = request
+        self._register(request)
         request.reused_tokens = reused
         request.context_position = reused
         request.state = RequestState.CONTEXT
-
-    def _check_prefill(self, request: Request) -> None:
-        rid = request.request_id
-        kv = int(self._manager.num_tokens(rid))
-        context = int(self._manager.prompt_length(rid))
-        if request.state is not RequestState.CONTEXT or kv >= context:
-            raise ValueError(
-                f"request {rid}: no prompt tokens left to prefill (state "
-                f"{request.state.value}, {kv} of {context} context tokens cached)"
-            )
-        if request.context_position != kv:
-            raise ValueError(
-                f"request {rid}: context_position is {request.context_position} but the cache "
-                f"holds {kv} of its {context} context tokens (call update_resources after every "
-                "step)"
-            )
-
-    def _check_step_fits(
-        self, gen: list[tuple[Request, int]], chunks: list[tuple[Request, int]]
-    ) -> None:
-        """Raises ``OutOfBlocksError`` unless every window holds the step's generation
-        tokens and then its prefill chunks (see :meth:`get_needed_blocks_for_step`)."""
-        needs = dict(zip(self._windows, self._step_needs(gen, chunks), strict=True))
-        if self._manager.can_allocate(needs):
-            return
-        free = {w: int(self._manager.get_num_free_blocks(w)) for w in self._windows}
-        what = f"this step's generation tokens and {len(chunks)} prefill chunk(s)"
-        for w in self._windows:
-            if needs[w] > free[w]:
-                raise OutOfBlocksError(
-                    f"prepare_resources: window {w} needs {needs[w]} free blocks for {what} "
-                    f"but has {free[w]}"
-                )
-        raise OutOfBlocksError(
-            f"prepare_resources: the windows need {needs} free blocks for {what}; each could "
-            f"borrow its share alone ({free} free), but not all at once"
-        )
-
-    def _check_context_step(self, request: Request) -> None:
-        rid = request.request_id
-        kv = int(self._manager.num_tokens(rid))
-        context = int(self._manager.prompt_length(rid))
-        done = kv >= context
-        if request.state is RequestState.CONTEXT and done:
-            raise ValueError(
-                f"request {rid}: this step's chunk ended its prompt; append "
-                "its first generated token before update_resources"
-            )
-        if request.state is not RequestState.CONTEXT and not done:
-            raise ValueError(
-                f"request {rid}: a token was appended after a chunk that did "
-                f"not end its prompt ({kv} of {context} context tokens cached; "
-                "see ScheduledBatch.is_last_chunk)"
-            )
-
-    def _check_generation(self, gen: Sequence[tuple[Request, int]], ids: list[int]) -> None:
-        """Checks a batch's generation requests: state, registration and cached length (one
-        native call for the lengths)."""
-        generation = RequestState.GENERATION
-        # One pass: the lengths of the requests in generation (all of them, normally).
-        lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen if r.state is generation]
-        if len(lengths) == len(gen):
-            k = int(self._manager._first_length_mismatch(ids, lengths))
-        else:  # some request is not in generation: the first length mismatch, else that one
-            lengths = [len(r.prompt) + len(r.generated) - 1 for r, _ in gen]
-            k = int(self._manager._first_length_mismatch(ids, lengths))
-            if k < 0:
-                k = next(i for i, (r, _) in enumerate(gen) if r.state is not generation)
-        if k >= 0:
-            request = gen[k][0]
-            if request.state is not generation or request.request_id not in self._running:
-                raise ValueError(
-                    f"request {request.request_id}: not in generation (state {request.state.value})"
-                )
-            raise ValueError(
-                f"request {request.request_id}: the cache holds "
-                f"{int(self._manager.num_tokens(request.request_id))} tokens but the request "
-                f"has {request.num_tokens} (expected one more: the newest token)"
-            )
-
-    def _check_drafts(self, gen: Sequence[tuple[Request, int]]) -> int:
-        """Checks the draft counts of a batch's generation requests; returns the most."""
-        most = max([d for _, d in gen])
-        for request, num_draft in gen if most else ():
-            limit = self.num_draft_tokens_for(request)
-            if num_draft > limit:
-                raise ValueError(
-                    f"request {request.request_id}: {num_draft} draft tokens, at most {limit} "
-                    f"allowed (max_draft_tokens {self._max_draft}, "
-                    f"{request.remaining_new_tokens} tokens left to generate)"
-                )
-        return most
 
     def _roll_back(
         self, added: list[Request], gen: Sequence[tuple[Request, int]], rounds: int
@@ -599,13 +464,23 @@ class KVCacheResourceManager(ResourceEstimates):
         for request in reversed(added):
             self._manager.remove_sequence(request.request_id, store_for_reuse=False)
             del self._running[request.request_id]
+            del self._base_of[request.request_id]
+            self._epoch += 1
             request.state = RequestState.WAITING if request.num_pauses == 0 else RequestState.PAUSED
             request.reused_tokens = 0
             request.context_position = 0
 
 
-#: (the batch's generation list, a copy of its entries, their request ids, the most drafts).
-_GenerationNote = tuple[list[tuple[Request, int]], list[tuple[Request, int]], list[int], int]
+#: (the batch's generation list, a copy of its entries, their request ids, the most drafts,
+#: the requests, their prompt lengths less one).
+_GenerationNote = tuple[
+    list[tuple[Request, int]],
+    list[tuple[Request, int]],
+    list[int],
+    int,
+    list[Request],
+    list[int] | None,
+]
 
 
 def _primary(value: Any) -> int:

@@ -71,6 +71,7 @@ import itertools
 import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvcache import _core
 from kvcache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -88,6 +89,10 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _request_id = operator.attrgetter("request_id")
+_EMPTY: list[Any] = []  # never changed: the empty candidate lists of a full batch
+#: The list form's head of registered requests: (the resource manager's epoch, the requests,
+#: their ids, their prompt lengths less one).
+_HeadCache = tuple[int, list[Request], list[int], list[int]]
 _WAITING = (RequestState.WAITING, RequestState.PAUSED)
 
 
@@ -207,6 +212,13 @@ class CapacityScheduler:
         self._rank: dict[int, int] = {}  # request id -> arrival rank
         self._queue: deque[Request] = deque()  # waiting and paused requests, by rank
         self._running: list[Request] = []  # registered requests, by rank
+        self._head_cache: _HeadCache | None = None  # see _cache_head
+        # The index form's running requests as of the resource manager's epoch: (the epoch,
+        # their ids, their prompt lengths less one); see _indexed.
+        self._index_cache: tuple[int, list[int], list[int]] | None = None
+        # The generation entries of an all-decode step of cached running requests (keyed by
+        # their cached ids).
+        self._pairs: tuple[list[int], list[tuple[Request, int]]] | None = None
 
     @property
     def policy(self) -> str:
@@ -280,13 +292,15 @@ class CapacityScheduler:
             The batch, and the paused, rejected and still-waiting requests.
         """
         if requests is None:
-            running = self._indexed()
-            candidates, rejected, scanned = self._head_candidates(len(running))
-            out = self._decide(running, None, candidates, rejected, self._queue)
+            indexed, index_ids, index_bases = self._indexed()
+            candidates, rejected, scanned = self._head_candidates(len(indexed))
+            out = self._decide(indexed, index_ids, index_bases, candidates, rejected, self._queue)
             self._reindex(out, scanned)
             return out
         running, ids, candidates, rejected = self._scan(requests)
-        return self._decide(running, ids, candidates, rejected, requests)
+        cache = self._head_cache
+        bases = cache[3] if cache is not None and ids is cache[2] else None
+        return self._decide(running, ids, bases, candidates, rejected, requests)
 
     # ------------------------------------------------------------------ internals
 
@@ -308,13 +322,21 @@ class CapacityScheduler:
         ids: list[int] | None = None
         start = 0
         head = requests[:unseen]
-        head_ids = [r.request_id for r in head]
-        if len(head) == unseen and all(map(registered.__contains__, head_ids)):
+        if type(head) is not list:
+            head = list(head)
+        cache = self._head_cache
+        if cache is None or cache[0] != self._rm._epoch or head != cache[1]:
+            # Not the registered requests of the last call (compared by identity, in C).
+            cache = self._cache_head(head, unseen)
+        if cache is not None:
             # The usual order: the registered requests first.
+            states = [r.state for r in head]
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
-            running = [r for r in head if (state := r.state) is gen or state is ctx]
-            if len(running) == unseen:  # all of them run: their ids are the ones just read
-                ids = head_ids
+            num_gen = states.count(gen)  # (count compares by identity first: fast on a match)
+            if num_gen == unseen or num_gen + states.count(ctx) == unseen:
+                running, ids = head, cache[2]  # all of them run: their ids are cached
+            else:
+                running = [r for r, st in zip(head, states, strict=True) if st is gen or st is ctx]
             start, unseen = unseen, 0
         for r in itertools.islice(requests, start, None):
             if r.request_id in registered:
@@ -328,6 +350,26 @@ class CapacityScheduler:
         if len(running) != len(head):
             ids = None  # running requests came after the head: read their ids again
         return running, ids, candidates[: max(0, most - len(running))], rejected
+
+    def _cache_head(self, head: list[Request], num_registered: int) -> _HeadCache | None:
+        """Caches the list form's head if it holds exactly the registered requests: their
+        ids and prompt lengths less one (the resource manager's), valid while the
+        registrations and the head's requests stay the same (a request's id does not
+        change)."""
+        self._head_cache = None
+        rm = self._rm
+        if len(head) != num_registered:
+            return None
+        if head == list(rm._running.values()):  # registration order: the usual case (by identity)
+            ids = list(rm._running)
+            bases = list(rm._base_of.values())  # kept in the same order
+        else:
+            ids = list(map(_request_id, head))
+            if not all(map(rm._running.__contains__, ids)):
+                return None
+            bases = list(map(rm._base_of.__getitem__, ids))
+        self._head_cache = (rm._epoch, head, ids, bases)
+        return self._head_cache
 
     def _head_candidates(self, num_running: int) -> tuple[list[Request], list[Request], int]:
         """The index form's admission candidates: the queue's first waiting requests, as many
@@ -361,13 +403,15 @@ class CapacityScheduler:
         self,
         running: list[Request],
         ids: list[int] | None,
+        bases: list[int] | None,
         candidates: list[Request],
         rejected: list[Request],
         source: Iterable[Request],
     ) -> SchedulerOutput:
         """Asks the native scheduler about the running requests (``ids``: their request ids,
-        if already read) and the admission candidates (in order); ``rejected`` never fit;
-        ``source`` is what the lazily built ``waiting`` output comes from."""
+        ``bases``: their prompt lengths less one, if known, both cached while the running
+        requests stay the same) and the admission candidates (in order); ``rejected`` never
+        fit; ``source`` is what the lazily built ``waiting`` output comes from."""
         rm = self._rm
         out = SchedulerOutput()
         out._waiting_source = source
@@ -375,26 +419,27 @@ class CapacityScheduler:
         drafts = [rm.num_draft_tokens_for(r) for r in running] if rm.max_draft_tokens else None
         if ids is None:
             ids = [r.request_id for r in running]
+        if candidates:
+            cand_ids = [r.request_id for r in candidates]
+            contexts = [rm._prompt(r) for r in candidates]
+            finals = [r.max_kv_tokens for r in candidates]
+        else:  # the usual full batch: nothing to convert
+            cand_ids = contexts = finals = _EMPTY
         if not self._families and rm._forked:
             self._families = True
         fams = family_arrays(running, candidates) if self._families else None
         if fams is None:
             gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
-                ids,
-                None,
-                drafts,
-                [r.request_id for r in candidates],
-                [rm._prompt(r) for r in candidates],
-                [r.max_kv_tokens for r in candidates],
+                ids, None, drafts, cand_ids, contexts, finals
             )
         else:
             gen, ndraft, chunked, sizes, admitted, first, paused, failed = self._native.schedule(
                 ids,
                 fams[2],
                 drafts,
-                [r.request_id for r in candidates],
-                [rm._prompt(r) for r in candidates],
-                [r.max_kv_tokens for r in candidates],
+                cand_ids,
+                contexts,
+                finals,
                 families=fams[0],
                 beams=fams[1],
                 candidate_families=fams[3],
@@ -408,14 +453,31 @@ class CapacityScheduler:
             out.paused.append(r)
             taken.add(r.request_id)
         batch = out.batch
-        if len(gen) == len(running):  # every running request decodes (indices 0..n-1)
+        gen_bases: list[int] | None = None
+        most = 0
+        if gen is None:  # every running request decodes, in order, without drafts
+            # Cached running requests: the entries of their last such step.
+            if bases is not None:
+                if self._pairs is None or self._pairs[0] is not ids:
+                    self._pairs = (ids, [(r, 0) for r in running])
+                batch.generation = self._pairs[1].copy()
+            else:
+                batch.generation = [(r, 0) for r in running]
+            gen_ids, gen_reqs, gen_bases = ids, running, bases
+        elif len(gen) == len(running):  # every running request decodes (indices 0..n-1)
             batch.generation = list(zip(running, ndraft, strict=True))
-            gen_ids = ids
+            gen_ids, gen_reqs, gen_bases = ids, running, bases
+            most = max(ndraft, default=0)
         else:
             batch.generation = [(running[i], d) for i, d in zip(gen, ndraft, strict=True)]
             gen_ids = [ids[i] for i in gen]
-        rm._note_generation(batch.generation, gen_ids, max(ndraft, default=0))
-        batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
+            gen_reqs = [r for r, _ in batch.generation]
+            if bases is not None:
+                gen_bases = list(map(bases.__getitem__, gen))
+            most = max(ndraft, default=0)
+        rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases)
+        if chunked:
+            batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):
             r = candidates[j]
             batch.context.append((r, k))
@@ -454,12 +516,30 @@ class CapacityScheduler:
         r.draft_tokens = []
         r.rewind_len = 0
 
-    def _indexed(self) -> list[Request]:
-        """The index form's running requests, in arrival order: finished, failed or freed ones
-        leave the index, and the queue's head loses the ones that stopped waiting."""
-        registered = self._rm._running
-        kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
+    def _indexed(self) -> tuple[list[Request], list[int], list[int]]:
+        """The index form's running requests, in arrival order (a copy), their ids and prompt
+        lengths less one: finished, failed or freed ones leave the index, and the queue's head
+        loses the ones that stopped waiting. While no registration changed since the last
+        call (and no admission or pause changed the index), only their states are read."""
+        rm = self._rm
         queue = self._queue
+        run = self._running
+        cache = self._index_cache
+        if cache is None or cache[0] != rm._epoch:
+            # The index is the registrations, in order (compared by identity): the usual case.
+            same = run == list(rm._running.values())
+            cache = (rm._epoch, list(rm._running), list(rm._base_of.values())) if same else None
+        if cache is not None:
+            states = [r.state for r in run]
+            gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
+            num_gen = states.count(gen)
+            if num_gen == len(run) or num_gen + states.count(ctx) == len(run):
+                while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
+                    queue.popleft()
+                self._index_cache = cache
+                return list(run), cache[1], cache[2]
+        registered = rm._running
+        kept = [r for r in self._running if r.state in _RUNNING and r.request_id in registered]
         if len(kept) != len(self._running):
             # Admitted but not registered after all (a prepare_resources that failed and rolled
             # back), or freed without finishing: back into the queue if still waiting.
@@ -471,7 +551,10 @@ class CapacityScheduler:
             self._adopt_forks(registered)
         while queue and queue[0].state not in _WAITING:  # failed, or run by a caller
             queue.popleft()
-        return self._running
+        ids = list(map(_request_id, kept))
+        bases = list(map(rm._base_of.__getitem__, ids))
+        self._index_cache = (rm._epoch, ids, bases)
+        return list(kept), ids, bases
 
     def _adopt_forks(self, registered: dict[int, Request]) -> None:
         """Children that ``fork_resources`` registered join the index at their family's rank
@@ -491,11 +574,13 @@ class CapacityScheduler:
         taken = out._taken
         queue = self._queue
         kept: list[Request] = []
+        changed = bool(out.paused)
         for _ in range(scanned):
             r = queue.popleft()
             if r.request_id in taken:
                 if r.state is not RequestState.FAILED:
                     self._insert(self._running, r)
+                    changed = True
             elif r.state in _WAITING:
                 kept.append(r)
         queue.extendleft(reversed(kept))
@@ -503,6 +588,8 @@ class CapacityScheduler:
             self._running.remove(r)
         for r in reversed(out.paused):  # paused newest first: a family goes back in its order
             self._insert(queue, r)
+        if changed:  # the running list changed: _indexed reads it again
+            self._index_cache = None
 
     def _insert(self, lst: list[Request] | deque[Request], r: Request) -> None:
         """Inserts by arrival rank, after the requests of the same rank (a family's)."""

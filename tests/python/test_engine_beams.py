@@ -173,10 +173,17 @@ def test_beams_step_in_one_add_tokens_call_and_reorder_by_fork_and_free() -> Non
     freed: list[int] = []
     manager, rm = engine.manager, engine.resource_manager
     add, fork, free = manager.add_tokens, rm.fork_resources, rm.free_resources
+    add_generated = manager._add_generated  # the list form's decode step: check and add at once
 
     def spy_add(ids: Any, tokens: Any) -> Any:
         calls.append(sorted(int(i) for i in ids))
         return add(ids, tokens)
+
+    def spy_add_generated(ids: Any, generated: Any, bases: Any) -> Any:
+        k = add_generated(ids, generated, bases)
+        if k < 0:  # added (else nothing was, and add_tokens follows)
+            calls.append(sorted(int(i) for i in ids))
+        return k
 
     def spy_fork(parent: Any, children: Any) -> None:
         forks.append((parent.request_id, [c.request_id for c in children]))
@@ -187,6 +194,7 @@ def test_beams_step_in_one_add_tokens_call_and_reorder_by_fork_and_free() -> Non
         free(request, **kwargs)
 
     manager.add_tokens, rm.fork_resources, rm.free_resources = spy_add, spy_fork, spy_free
+    manager._add_generated = spy_add_generated
     [best] = engine.generate([[5, 9, 2, 7, 7, 1, 3]], NEW, num_beams=4)
     assert len(best) == NEW
     # The first step after the prompt forks 3 children from the prompt's sequence.

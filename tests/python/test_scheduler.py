@@ -718,3 +718,67 @@ def test_prepare_reads_an_edited_generation_list_not_the_schedulers_note() -> No
     with pytest.raises(ValueError, match="request id 1 appears twice in one add_tokens call"):
         rm.prepare_resources(out.batch)
     assert [int(rm.manager.num_tokens(i)) for i in range(3)] == [6, 5, 6]  # nothing changed
+
+
+# ----------------------------------------------------------------------------- step caches
+
+
+def _decode_step(rm: KVCacheResourceManager, out: SchedulerOutput) -> None:
+    """Prepares the batch, gives every request of it one token, updates."""
+    batch = out.batch
+    rm.prepare_resources(batch)
+    for r in batch.context_requests:
+        if batch.is_last_chunk(r):
+            r.append_tokens([7])
+    for r in batch.generation_requests:
+        r.append_tokens([7])
+    rm.update_resources(batch)
+
+
+def _running_pair() -> tuple[KVCacheResourceManager, CapacityScheduler, list[Request]]:
+    """Two requests running (both decoding), the list form's head cached."""
+    rm = make_rm({8: 32, 64: 32})
+    sched = CapacityScheduler(rm, "guaranteed_no_evict")
+    reqs = [Request(i, prompt=[1, 2, 3, 4, 5], max_new_tokens=6) for i in range(2)]
+    _decode_step(rm, sched.schedule(reqs))  # the prompts
+    _decode_step(rm, sched.schedule(reqs))  # one decode: the head is cached now
+    return rm, sched, reqs
+
+
+def test_list_form_head_cache_rereads_states_every_step() -> None:
+    """A registered request that finished (not freed yet) leaves the batch although the list
+    and the registrations are the same objects as at the cached call."""
+    _, sched, reqs = _running_pair()
+    reqs[1].state = RequestState.FINISHED
+    out = sched.schedule(reqs)
+    assert ids(out.batch.generation_requests) == [0]
+    assert out.batch.context == []
+
+
+def test_list_form_head_cache_follows_a_replaced_entry_and_other_sequences() -> None:
+    """Another object in the head (same length), or a tuple instead of a list: the cache is
+    not used; decisions as without it."""
+    rm, sched, reqs = _running_pair()
+    newcomer = Request(9, prompt=[4, 4, 4], max_new_tokens=2)
+    out = sched.schedule([reqs[0], newcomer, reqs[1]])  # reqs[1] registered but not leading
+    assert ids(out.batch.generation_requests) == [0, 1]
+    assert ids(out.batch.context_requests) == [9]
+    out = sched.schedule(tuple(reqs))
+    assert ids(out.batch.generation_requests) == [0, 1]
+    _decode_step(rm, out)
+    assert [rm.manager.num_tokens(r.request_id) for r in reqs] == [7, 7]
+
+
+def test_noted_decode_step_falls_back_to_the_named_error() -> None:
+    """The one-call decode path of a scheduled batch: a request whose generated tokens do not
+    match the cache gets the request-by-request check's error, and nothing is appended."""
+    rm, sched, reqs = _running_pair()
+    out = sched.schedule(reqs)
+    reqs[1].generated.append(8)  # one token too many for the cache
+    expected = r"request 1: the cache holds 6 tokens but the request has 8"
+    with pytest.raises(ValueError, match=expected):
+        rm.prepare_resources(out.batch)
+    assert [rm.manager.num_tokens(r.request_id) for r in reqs] == [6, 6]
+    reqs[1].generated.pop()
+    rm.prepare_resources(out.batch)  # the same batch, now consistent: one token each
+    assert [rm.manager.num_tokens(r.request_id) for r in reqs] == [7, 7]
