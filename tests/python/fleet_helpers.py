@@ -6,6 +6,8 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvcache import OutOfBlocksError
+
 if TYPE_CHECKING:
     from kvcache.events import ZmqEventPublisher
     from kvcache.router import ZmqEventSubscriber
@@ -39,3 +41,31 @@ def random_probe(
     prompt = rng.choice(bases)[: rng.randrange(1, 29)]
     router_key = {"lora_id": key.get("lora_task_id"), "cache_salt": key.get("cache_salt")}
     return prompt, key, router_key
+
+
+def advance_random_sequence(kv: Any, live: dict[int, int], rng: random.Random, token: int) -> None:
+    """One random operation on one of ``live``'s sequences (request id -> tokens still to
+    generate) of manager ``kv``: a prefill chunk of 4, a rewind of one token (a rejected draft),
+    or 1 to 4 decoded tokens (random, or ``token``, the one a prompt starts with); the sequence
+    is removed once done or past 40 tokens, else stores its context blocks at times."""
+    rid = rng.choice(list(live))
+    left = kv.prompt_length(rid) - kv.num_tokens(rid)
+    try:
+        if left > 0:
+            kv.prefill(rid, min(4, left))
+        elif rng.random() < 0.15 and kv.num_tokens(rid) > kv.prompt_length(rid) + 1:
+            # A rejected draft: rewinds cut blocks the window may have stored.
+            kv.rewind(rid, 1)
+        else:
+            for _ in range(rng.randrange(1, 5)):
+                kv.add_token(rid, rng.choice([rng.randrange(1000), token]))
+                live[rid] -= 1
+    except OutOfBlocksError:
+        live[rid] = 0
+    except ValueError as e:  # a rewind into tokens a window released
+        assert "already released" in str(e)
+    if live[rid] <= 0 or kv.num_tokens(rid) > 40:
+        kv.remove_sequence(rid)
+        del live[rid]
+    elif rng.random() < 0.3:
+        kv.store_context_blocks(rid)  # during chunked prefill too

@@ -13,7 +13,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from fleet_helpers import random_probe, sync_subscriber  # noqa: E402
+from fleet_helpers import advance_random_sequence, random_probe, sync_subscriber  # noqa: E402
 
 import kvcache  # noqa: E402
 from kvcache import KvCacheConfig, KVCacheManager, ModelConfig, OutOfBlocksError  # noqa: E402
@@ -379,27 +379,7 @@ def test_randomized_workload_match_equals_each_engines_rule(tmp_path: Path) -> N
                     pass
                 next_id += 1
             elif op < 0.75 and live[name]:
-                rid = rng.choice(list(live[name]))
-                left = kv.prompt_length(rid) - kv.num_tokens(rid)
-                try:
-                    if left > 0:
-                        kv.prefill(rid, min(4, left))
-                    elif rng.random() < 0.15 and kv.num_tokens(rid) > kv.prompt_length(rid) + 1:
-                        # A rejected draft: rewinds cut blocks the window may have stored.
-                        kv.rewind(rid, 1)
-                    else:
-                        for _ in range(rng.randrange(1, 5)):
-                            kv.add_token(rid, rng.choice([rng.randrange(1000), bases[0][0]]))
-                            live[name][rid] -= 1
-                except OutOfBlocksError:
-                    live[name][rid] = 0
-                except ValueError as e:  # a rewind into tokens a window released
-                    assert "already released" in str(e)
-                if live[name][rid] <= 0 or kv.num_tokens(rid) > 40:
-                    kv.remove_sequence(rid)
-                    del live[name][rid]
-                elif rng.random() < 0.3:
-                    kv.store_context_blocks(rid)  # during chunked prefill too
+                advance_random_sequence(kv, live[name], rng, bases[0][0])
             elif live[name]:
                 rid = rng.choice(list(live[name]))
                 kv.remove_sequence(rid)

@@ -697,7 +697,7 @@ def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store
 
     pytest.importorskip("zmq")
     pytest.importorskip("msgspec")
-    from fleet_helpers import random_probe, sync_subscriber
+    from fleet_helpers import advance_random_sequence, random_probe, sync_subscriber
 
     from kvcache import OutOfBlocksError
     from kvcache.events import ZmqEventPublisher
@@ -778,26 +778,7 @@ def test_randomized_fleet_router_match_equals_each_engines_lookup_with_the_store
                     pass
                 next_id += 1
             elif op < 0.75 and live[name]:
-                rid = rng.choice(list(live[name]))
-                left = kv.prompt_length(rid) - kv.num_tokens(rid)
-                try:
-                    if left > 0:
-                        kv.prefill(rid, min(4, left))
-                    elif rng.random() < 0.15 and kv.num_tokens(rid) > kv.prompt_length(rid) + 1:
-                        kv.rewind(rid, 1)  # a rejected draft token
-                    else:
-                        for _ in range(rng.randrange(1, 5)):
-                            kv.add_token(rid, rng.choice([rng.randrange(1000), bases[0][0]]))
-                            live[name][rid] -= 1
-                except OutOfBlocksError:
-                    live[name][rid] = 0
-                except ValueError as e:  # a rewind into tokens a window released
-                    assert "already released" in str(e)
-                if live[name][rid] <= 0 or kv.num_tokens(rid) > 40:
-                    kv.remove_sequence(rid)
-                    del live[name][rid]
-                elif rng.random() < 0.3:
-                    kv.store_context_blocks(rid)
+                advance_random_sequence(kv, live[name], rng, bases[0][0])
             elif live[name]:
                 rid = rng.choice(list(live[name]))
                 kv.remove_sequence(rid)
