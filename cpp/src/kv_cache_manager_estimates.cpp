@@ -131,10 +131,27 @@ std::vector<std::int64_t> KVCacheManager::GetSequenceStepNeeds(SeqId id, std::in
 std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens,
                                                              std::size_t n, std::int32_t chunk,
                                                              bool prefill_only) const {
+  return GetRemainingBlocksImpl(ids, final_tokens, n, chunk, prefill_only, nullptr, nullptr);
+}
+
+std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens,
+                                                             std::size_t n, std::int32_t chunk,
+                                                             std::int32_t* num_tokens, std::int32_t* prompt_len) const {
+  return GetRemainingBlocksImpl(ids, final_tokens, n, chunk, false, num_tokens, prompt_len);
+}
+
+std::vector<std::int64_t> KVCacheManager::GetRemainingBlocksImpl(const SeqId* ids, const std::int32_t* final_tokens,
+                                                                 std::size_t n, std::int32_t chunk, bool prefill_only,
+                                                                 std::int32_t* num_tokens,
+                                                                 std::int32_t* prompt_len) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::int64_t> out(windows_.size(), 0);
   for (std::size_t i = 0; i < n; ++i) {
     const Sequence& seq = Find(ids[i]);
+    if (num_tokens != nullptr) {
+      num_tokens[i] = seq.num_tokens;
+      prompt_len[i] = seq.prompt_len;
+    }
     const std::int64_t own = seq.final_tokens > 0 ? seq.final_tokens : max_seq_len_;
     const std::int64_t final = prefill_only ? seq.prompt_len : final_tokens != nullptr ? final_tokens[i] : own;
     for (std::size_t w = 0; w < windows_.size(); ++w) {
