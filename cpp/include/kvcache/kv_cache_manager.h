@@ -839,6 +839,7 @@ class KVCacheManager {
   /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
   std::vector<std::int32_t> window_blocks_;
   mutable std::vector<std::int64_t> step_total_;  // GetStepNeeds: per token position
+  mutable std::vector<const Sequence*> step_seqs_;  // GetStepNeeds: the sequences, looked up once
   mutable std::vector<block_math::Registration> registration_;  // per window
   // Scratch space of the batch calls (AddTokens, Prefill, StoreContextBlocks), kept to avoid
   // allocations on the per-step path.
