@@ -408,9 +408,10 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         requests, bases = note[4], note[5]
         if bases is None:
             return False
-        if [r.state for r in requests].count(RequestState.GENERATION) != len(requests):
+        generation = RequestState.GENERATION
+        gens = [r.generated for r in requests if r.state is generation]  # one pass for both
+        if len(gens) != len(requests):
             return False
-        gens = [r.generated for r in requests]
         return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
     def _register(self, request: Request) -> None:
