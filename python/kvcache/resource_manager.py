@@ -390,14 +390,16 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         most_drafts: int,
         requests: list[Request],
         bases: list[int] | None,
+        snapshot: list[tuple[Request, int]] | None = None,
     ) -> None:
         """The scheduler's note on the batch it built: its generation entries (the list and
         a copy), their request ids, the most draft tokens among them, the requests and their
         prompt lengths less one. The next ``prepare_resources`` takes these from here instead
         of reading every request, if that batch's ``generation`` is the same list with the
         same entries (compared by identity, in C), and checks drafts only if some entry has
-        any."""
-        self._gen_note = (gen, list(gen), ids, most_drafts, requests, bases)
+        any (``snapshot``: an unchanging list equal to ``gen``, kept as the copy)."""
+        copy = list(gen) if snapshot is None else snapshot
+        self._gen_note = (gen, copy, ids, most_drafts, requests, bases)
 
     def _add_noted(self, note: _GenerationNote) -> bool:
         """Appends the noted generation requests' newest tokens, checked as
