@@ -165,10 +165,10 @@ PyObject* AddGenerated(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObje
     lengths[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(length);
     toks[static_cast<std::size_t>(i)] = static_cast<TokenId>(token);
   }
-  const std::int64_t k = self.FirstLengthMismatch(ids.data(), lengths.data(), ids.size());
-  if (k >= 0) return NewInt(k);
-  WithoutGilIf(self.MayCopyBlocks(), [&] { self.AddTokens(ids.data(), toks.data(), ids.size()); });
-  return NewInt(-1);
+  // One lookup per sequence for the check and the append (KVCacheManager::AddTokensIfLengths).
+  return NewInt(WithoutGilIf(self.MayCopyBlocks(), [&] {
+    return self.AddTokensIfLengths(ids.data(), toks.data(), lengths.data(), ids.size());
+  }));
 }
 
 PyObject* AddSequencePlain(M& self, PyObject* const* args, Py_ssize_t nargsf, PyObject* kwnames) {

@@ -72,11 +72,13 @@ std::int64_t CapacityScheduler::PlanChunks(const SeqId* running, std::size_t n, 
 }
 
 std::int64_t CapacityScheduler::PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n,
-                                            StepPlan* plan) {
+                                            bool progress_known, StepPlan* plan) {
   std::int64_t left = config_.max_num_batched_tokens;
-  num_tokens_.resize(n);
-  prompt_len_.resize(n);
-  manager_->GetProgress(running, n, num_tokens_.data(), prompt_len_.data());
+  if (!progress_known) {
+    num_tokens_.resize(n);
+    prompt_len_.resize(n);
+    manager_->GetProgress(running, n, num_tokens_.data(), prompt_len_.data());
+  }
   for (std::size_t i = 0; i < n; ++i) {  // generation first: one token each plus drafts
     if (num_tokens_[i] < prompt_len_[i]) continue;
     const std::int32_t d = drafts != nullptr ? drafts[i] : 0;
@@ -149,9 +151,12 @@ std::int64_t CapacityScheduler::PlanFamilies(const SeqId* running, const std::in
 }
 
 std::vector<std::int64_t> CapacityScheduler::Reserve(const SeqId* running, const std::int32_t* final_tokens,
-                                                     std::size_t n, const std::int32_t* beams) {
+                                                     std::size_t n, const std::int32_t* beams,
+                                                     std::vector<std::int64_t> remaining) {
   if (families_ == nullptr) {
-    std::vector<std::int64_t> committed = manager_->GetRemainingBlocks(running, final_tokens, n, config_.chunk, false);
+    std::vector<std::int64_t> committed =
+        remaining.empty() ? manager_->GetRemainingBlocks(running, final_tokens, n, config_.chunk, false)
+                          : std::move(remaining);
     for (std::size_t w = 0; w < windows_.size(); ++w) committed[w] += manager_->GetNumSharedBlocks(windows_[w]);
     return committed;
   }
@@ -316,14 +321,22 @@ StepPlan CapacityScheduler::Schedule(const SeqId* running, const std::int32_t* f
   }
   StepPlan plan;
   families_ = families.family;
-  const std::int64_t left = families_ != nullptr
-                                ? PlanFamilies(running, drafts, num_running, candidates, num_candidates, families, &plan)
-                                : PlanRunning(running, drafts, num_running, &plan);
+  const bool guaranteed = config_.policy == CapacityPolicy::kGuaranteedNoEvict;
+  std::vector<std::int64_t> remaining;  // guaranteed_no_evict without families: with the progress, one pass
+  if (guaranteed && families_ == nullptr) {
+    num_tokens_.resize(num_running);
+    prompt_len_.resize(num_running);
+    remaining = manager_->GetRemainingBlocks(running, final_tokens, num_running, config_.chunk, num_tokens_.data(),
+                                             prompt_len_.data());
+  }
+  const std::int64_t left =
+      families_ != nullptr ? PlanFamilies(running, drafts, num_running, candidates, num_candidates, families, &plan)
+                           : PlanRunning(running, drafts, num_running, !remaining.empty(), &plan);
   std::vector<std::int64_t> committed;
   std::size_t still_running = num_running;
   std::vector<std::size_t> kept;
-  if (config_.policy == CapacityPolicy::kGuaranteedNoEvict) {
-    committed = Reserve(running, final_tokens, num_running, families.beams);
+  if (guaranteed) {
+    committed = Reserve(running, final_tokens, num_running, families.beams, std::move(remaining));
   } else {
     kept.resize(num_running);
     for (std::size_t i = 0; i < num_running; ++i) kept[i] = i;

@@ -472,13 +472,30 @@ void KVCacheManager::AddToken(SeqId id, TokenId token) { AddTokens(&id, &token, 
 
 void KVCacheManager::AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
-  // 1. Validate every argument before touching anything.
   BeginBatch(n);
+  AddTokensLocked(ids, tokens, n, /*found=*/false);
+}
+
+std::int64_t KVCacheManager::AddTokensIfLengths(const SeqId* ids, const TokenId* tokens, const std::int32_t* lengths,
+                                                std::size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  BeginBatch(n);
+  for (std::size_t i = 0; i < n; ++i) {  // FirstLengthMismatch, keeping what it found
+    const auto it = sequences_.find(ids[i]);
+    if (it == sequences_.end() || it->second.num_tokens != lengths[i]) return static_cast<std::int64_t>(i);
+    batch_[i] = &it->second;
+  }
+  AddTokensLocked(ids, tokens, n, /*found=*/true);
+  return -1;
+}
+
+void KVCacheManager::AddTokensLocked(const SeqId* ids, const TokenId* tokens, std::size_t n, bool found) {
+  // 1. Validate every argument before touching anything.
   batch_new_block_.resize(n);  // written by index, as batch_: no push_back per sequence
   std::int32_t need = 0;  // sequences that start a new block (the same in every window)
   bool writes = false;    // some sequence writes into a block it holds (copy-on-write after a fork)
   for (std::size_t i = 0; i < n; ++i) {
-    Sequence& seq = BatchMember(i, ids[i], "add_tokens");
+    Sequence& seq = found ? MarkMember(i, *batch_[i], "add_tokens") : BatchMember(i, ids[i], "add_tokens");
     if (seq.InPrefill()) {
       ThrowInvalid("request ", ids[i], " is still in prefill (", seq.num_tokens, " of ", seq.prompt_len,
                    " prompt tokens have blocks): call prefill first");

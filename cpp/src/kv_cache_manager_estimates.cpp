@@ -60,23 +60,28 @@ std::vector<std::int64_t> KVCacheManager::GetStepNeeds(const SeqId* gen_ids, con
                                                        const std::int32_t* chunk_tokens, std::size_t num_chunks) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::int32_t calls = 0;  // AddTokens calls: one per token position
+  // Each sequence is looked up once; the windows' passes below reuse what was found.
+  std::vector<const Sequence*>& seqs = step_seqs_;
+  seqs.resize(num_gen + num_chunks);
   for (std::size_t i = 0; i < num_gen; ++i) {
     const Sequence& seq = Find(gen_ids[i]);
     if (seq.InPrefill()) ThrowInvalid("step needs: request ", seq.id, " is still in prefill");
     if (gen_tokens[i] < 1) ThrowInvalid("step needs: request ", seq.id, " needs >= 1 generation token");
     calls = std::max(calls, gen_tokens[i]);
+    seqs[i] = &seq;
   }
   for (std::size_t i = 0; i < num_chunks; ++i) {
     const Sequence& seq = Find(chunk_ids[i]);
     if (chunk_tokens[i] < 1) ThrowInvalid("step needs: request ", seq.id, " needs a chunk of >= 1 tokens");
     ChunkOf(seq, chunk_tokens[i], "step needs");
+    seqs[num_gen + i] = &seq;
   }
   std::vector<std::int64_t> out(windows_.size(), 0);
   std::vector<std::int64_t>& total = step_total_;
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     total.assign(static_cast<std::size_t>(calls), 0);
     for (std::size_t i = 0; i < num_gen; ++i) {
-      const Sequence& seq = Find(gen_ids[i]);
+      const Sequence& seq = *seqs[i];
       std::int64_t last = 0;
       for (std::int32_t j = 0; j < calls; ++j) {  // after its last token it holds still
         if (j < gen_tokens[i]) last = DecodeDelta(seq, w, static_cast<std::int64_t>(seq.num_tokens) + 1 + j);
@@ -89,7 +94,7 @@ std::vector<std::int64_t> KVCacheManager::GetStepNeeds(const SeqId* gen_ids, con
       for (std::int64_t& t : total) t -= kept;
     }
     std::int64_t prefill = 0;
-    for (std::size_t i = 0; i < num_chunks; ++i) prefill += ChunkNeed(Find(chunk_ids[i]), w, chunk_tokens[i], true);
+    for (std::size_t i = 0; i < num_chunks; ++i) prefill += ChunkNeed(*seqs[num_gen + i], w, chunk_tokens[i], true);
     std::int64_t worst = calls > 0 ? total.back() + prefill : prefill;
     for (const std::int64_t t : total) worst = std::max(worst, t);
     out[w] = std::max<std::int64_t>(0, worst);
@@ -131,10 +136,27 @@ std::vector<std::int64_t> KVCacheManager::GetSequenceStepNeeds(SeqId id, std::in
 std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens,
                                                              std::size_t n, std::int32_t chunk,
                                                              bool prefill_only) const {
+  return GetRemainingBlocksImpl(ids, final_tokens, n, chunk, prefill_only, nullptr, nullptr);
+}
+
+std::vector<std::int64_t> KVCacheManager::GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens,
+                                                             std::size_t n, std::int32_t chunk,
+                                                             std::int32_t* num_tokens, std::int32_t* prompt_len) const {
+  return GetRemainingBlocksImpl(ids, final_tokens, n, chunk, false, num_tokens, prompt_len);
+}
+
+std::vector<std::int64_t> KVCacheManager::GetRemainingBlocksImpl(const SeqId* ids, const std::int32_t* final_tokens,
+                                                                 std::size_t n, std::int32_t chunk, bool prefill_only,
+                                                                 std::int32_t* num_tokens,
+                                                                 std::int32_t* prompt_len) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::int64_t> out(windows_.size(), 0);
   for (std::size_t i = 0; i < n; ++i) {
     const Sequence& seq = Find(ids[i]);
+    if (num_tokens != nullptr) {
+      num_tokens[i] = seq.num_tokens;
+      prompt_len[i] = seq.prompt_len;
+    }
     const std::int64_t own = seq.final_tokens > 0 ? seq.final_tokens : max_seq_len_;
     const std::int64_t final = prefill_only ? seq.prompt_len : final_tokens != nullptr ? final_tokens[i] : own;
     for (std::size_t w = 0; w < windows_.size(); ++w) {

@@ -390,14 +390,16 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         most_drafts: int,
         requests: list[Request],
         bases: list[int] | None,
+        snapshot: list[tuple[Request, int]] | None = None,
     ) -> None:
         """The scheduler's note on the batch it built: its generation entries (the list and
         a copy), their request ids, the most draft tokens among them, the requests and their
         prompt lengths less one. The next ``prepare_resources`` takes these from here instead
         of reading every request, if that batch's ``generation`` is the same list with the
         same entries (compared by identity, in C), and checks drafts only if some entry has
-        any."""
-        self._gen_note = (gen, list(gen), ids, most_drafts, requests, bases)
+        any (``snapshot``: an unchanging list equal to ``gen``, kept as the copy)."""
+        copy = list(gen) if snapshot is None else snapshot
+        self._gen_note = (gen, copy, ids, most_drafts, requests, bases)
 
     def _add_noted(self, note: _GenerationNote) -> bool:
         """Appends the noted generation requests' newest tokens, checked as
@@ -408,9 +410,10 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         requests, bases = note[4], note[5]
         if bases is None:
             return False
-        if [r.state for r in requests].count(RequestState.GENERATION) != len(requests):
+        generation = RequestState.GENERATION
+        gens = [r.generated for r in requests if r.state is generation]  # one pass for both
+        if len(gens) != len(requests):
             return False
-        gens = [r.generated for r in requests]
         return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
     def _register(self, request: Request) -> None:

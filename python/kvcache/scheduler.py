@@ -455,12 +455,14 @@ class CapacityScheduler:
         batch = out.batch
         gen_bases: list[int] | None = None
         most = 0
+        snapshot: list[tuple[Request, int]] | None = None  # of batch.generation, for the note
         if gen is None:  # every running request decodes, in order, without drafts
             # Cached running requests: the entries of their last such step.
             if bases is not None:
                 if self._pairs is None or self._pairs[0] is not ids:
                     self._pairs = (ids, [(r, 0) for r in running])
-                batch.generation = self._pairs[1].copy()
+                snapshot = self._pairs[1]  # never changed: each batch gets a copy
+                batch.generation = snapshot.copy()
             else:
                 batch.generation = [(r, 0) for r in running]
             gen_ids, gen_reqs, gen_bases = ids, running, bases
@@ -475,7 +477,7 @@ class CapacityScheduler:
             if bases is not None:
                 gen_bases = list(map(bases.__getitem__, gen))
             most = max(ndraft, default=0)
-        rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases)
+        rm._note_generation(batch.generation, gen_ids, most, gen_reqs, gen_bases, snapshot)
         if chunked:
             batch.context = [(running[i], k) for i, k in zip(chunked, sizes, strict=True)]
         for j, k in zip(admitted, first, strict=True):

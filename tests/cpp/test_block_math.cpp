@@ -251,6 +251,24 @@ TEST(ManagerEstimatesTest, FinalTokensProgressAndLengthChecks) {
   EXPECT_EQ(m.FirstLengthMismatch(ids, wrong, 2), 1);
   const SeqId unknown[] = {1, 9};
   EXPECT_EQ(m.FirstLengthMismatch(unknown, right, 2), 1);
+  // The scheduler's one pass: the same remaining blocks, with the progress of GetProgress.
+  std::int32_t tokens_out[2] = {0, 0};
+  std::int32_t prompt_out[2] = {0, 0};
+  EXPECT_EQ(m.GetRemainingBlocks(ids, nullptr, 2, 0, tokens_out, prompt_out),
+            m.GetRemainingBlocks(ids, nullptr, 2, 0, false));
+  EXPECT_EQ(tokens_out[0], 4);
+  EXPECT_EQ(tokens_out[1], 10);
+  EXPECT_EQ(prompt_out[0], 10);
+  EXPECT_EQ(prompt_out[1], 10);
+  // The check and the append in one call: a mismatch or an unknown id adds nothing.
+  const TokenId toks[] = {5, 6};
+  EXPECT_EQ(m.AddTokensIfLengths(ids, toks, wrong, 2), 1);
+  EXPECT_EQ(m.AddTokensIfLengths(unknown, toks, right, 2), 1);
+  EXPECT_THROW(m.AddTokensIfLengths(ids, toks, right, 2), std::invalid_argument);  // 1 is in prefill
+  EXPECT_EQ(m.NumTokens(1), 4);
+  EXPECT_EQ(m.NumTokens(2), 10);
+  EXPECT_EQ(m.AddTokensIfLengths(&two, toks, &right[1], 1), -1);
+  EXPECT_EQ(m.NumTokens(2), 11);
   m.CheckInvariants();
 }
 

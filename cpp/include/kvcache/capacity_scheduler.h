@@ -117,7 +117,9 @@ class CapacityScheduler {
   std::int64_t PlanChunks(const SeqId* running, std::size_t n, std::int64_t left, StepPlan* plan);
   /// Plans the running requests' step into plan_ (generation, then continuing prefills) and
   /// returns the budget left.
-  std::int64_t PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n, StepPlan* plan);
+  /// `progress_known`: num_tokens_ / prompt_len_ already hold the running requests' progress.
+  std::int64_t PlanRunning(const SeqId* running, const std::int32_t* drafts, std::size_t n, bool progress_known,
+                           StepPlan* plan);
   /// PlanRunning with beam families: a family decodes whole or not at all, and only once every
   /// member is registered and past its prompt.
   std::int64_t PlanFamilies(const SeqId* running, const std::int32_t* drafts, std::size_t n,
@@ -125,8 +127,10 @@ class CapacityScheduler {
                             const RunningFamilies& families, StepPlan* plan);
   /// guaranteed_no_evict: blocks committed to the running requests' completion and the extra
   /// holdings of shared blocks.
+  /// `remaining`: without families, the running requests' GetRemainingBlocks if already
+  /// computed (else empty).
   std::vector<std::int64_t> Reserve(const SeqId* running, const std::int32_t* final_tokens, std::size_t n,
-                                    const std::int32_t* beams);
+                                    const std::int32_t* beams, std::vector<std::int64_t> remaining);
   /// max_utilization: pauses the newest running requests (with families: the newest running
   /// request's whole family) until the planned step fits; returns the blocks committed to the
   /// step and to the prompts still being prefilled, and leaves the kept requests in `running`.

@@ -262,6 +262,11 @@ class KVCacheManager {
   void AddToken(SeqId id, TokenId token);
   /// Appends tokens[i] to ids[i] for a whole batch; all or nothing.
   void AddTokens(const SeqId* ids, const TokenId* tokens, std::size_t n);
+  /// FirstLengthMismatch(ids, lengths, n), then, if it is -1, AddTokens(ids, tokens, n): one
+  /// lookup per sequence for both (a decode step's check and append under one lock). Returns
+  /// the first mismatch (nothing added) or -1 once added; AddTokens' errors as AddTokens.
+  std::int64_t AddTokensIfLengths(const SeqId* ids, const TokenId* tokens, const std::int32_t* lengths,
+                                  std::size_t n);
   /// Ends sequence `id`: with reuse on (and the sequence valid, or under kPlaceholder) stores its
   /// blocks in the reuse tree first; `pin` (needs reuse) keeps the stored blocks referenced until
   /// unpinned and returns the pinned blocks per window (empty lists otherwise).
@@ -382,6 +387,10 @@ class KVCacheManager {
   /// `final_tokens` null: each sequence's own (SetFinalTokens; max_seq_len when not set).
   std::vector<std::int64_t> GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens, std::size_t n,
                                                std::int32_t chunk, bool prefill_only) const;
+  /// GetRemainingBlocks (not prefill_only) and GetProgress of the same sequences in one pass.
+  std::vector<std::int64_t> GetRemainingBlocks(const SeqId* ids, const std::int32_t* final_tokens, std::size_t n,
+                                               std::int32_t chunk, std::int32_t* num_tokens,
+                                               std::int32_t* prompt_len) const;
   /// Records that sequence `id` will hold at most `final_tokens` tokens (its prompt plus
   /// max_new_tokens - 1): what GetRemainingBlocks assumes when given no final lengths.
   void SetFinalTokens(SeqId id, std::int32_t final_tokens);
@@ -511,12 +520,22 @@ class KVCacheManager {
   /// Entry i of the batch: the sequence `id` (UnknownSequenceError if there is none,
   /// std::invalid_argument if the call already named it).
   Sequence& BatchMember(std::size_t i, SeqId id, const char* call) {  // inline: once per sequence per step
-    Sequence& seq = Find(id);
-    if (seq.batch_stamp == stamp_) ThrowRepeated(id, call);
+    return MarkMember(i, Find(id), call);
+  }
+  /// BatchMember for a sequence already found.
+  Sequence& MarkMember(std::size_t i, Sequence& seq, const char* call) {
+    if (seq.batch_stamp == stamp_) ThrowRepeated(seq.id, call);
     seq.batch_stamp = stamp_;
     batch_[i] = &seq;
     return seq;
   }
+  /// GetRemainingBlocks, with GetProgress's outputs when num_tokens / prompt_len are not null.
+  std::vector<std::int64_t> GetRemainingBlocksImpl(const SeqId* ids, const std::int32_t* final_tokens, std::size_t n,
+                                                   std::int32_t chunk, bool prefill_only, std::int32_t* num_tokens,
+                                                   std::int32_t* prompt_len) const;
+  /// AddTokens' body (the caller holds mu_ and called BeginBatch(n)); `found`: batch_[0..n)
+  /// already holds the sequences of ids (looked up by the caller), else they are looked up.
+  void AddTokensLocked(const SeqId* ids, const TokenId* tokens, std::size_t n, bool found);
   [[noreturn]] static void ThrowRepeated(SeqId id, const char* call);
   /// Whether every window w can hand out check_need_[w] blocks once the batch's releases are
   /// counted (slab borrowing planned by the lender): -1 if so, else the first window that cannot;
@@ -820,6 +839,7 @@ class KVCacheManager {
   /// Per window: ceil(window / tokens_per_block), the blocks a window spans.
   std::vector<std::int32_t> window_blocks_;
   mutable std::vector<std::int64_t> step_total_;  // GetStepNeeds: per token position
+  mutable std::vector<const Sequence*> step_seqs_;  // GetStepNeeds: the sequences, looked up once
   mutable std::vector<block_math::Registration> registration_;  // per window
   // Scratch space of the batch calls (AddTokens, Prefill, StoreContextBlocks), kept to avoid
   // allocations on the per-step path.
