@@ -496,6 +496,27 @@ void KVCacheManager::RefreshBlocks() {
   backend_->Synchronize();  // offloads of lent cached blocks too
 }
 
+bool KVCacheManager::ResetPrefixCache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sequences_.empty()) return false;
+  for (const std::vector<std::int32_t>& pins : pins_) {
+    if (std::any_of(pins.begin(), pins.end(), [](std::int32_t p) { return p > 0; })) return false;
+  }
+  if (!reuse_) return true;
+  // No sequence and no pin: every block is unreferenced, so every cached one is a free block in
+  // its queue (or an unreferenced disk slot) and leaves the tree by the eviction's one door, Drop
+  // (its cascade may unlink later ids first: each id is checked when reached).
+  for (auto& wm : windows_) {
+    for (BlockId b = 0; b < wm->num_blocks(); ++b) {
+      KVC_DCHECK(wm->RefCount(b) == 0, "a referenced block without sequences or pins");
+      if (wm->NodeOf(b) != kNoNode) wm->Drop(b);
+    }
+  }
+  KVC_CHECK(tree_->NumNodes() == 1,
+            detail::Concat("reset_prefix_cache left ", tree_->NumNodes() - 1, " nodes in the reuse tree"));
+  return true;
+}
+
 std::int32_t KVCacheManager::GetReusablePrefixLength(const TokenId* tokens, std::size_t n,
                                                      const ReuseExtras& extras) const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -291,6 +291,15 @@ class KVCacheManager {
   /// Under lend_free_memory also moves slabs towards windows that evicted cached blocks in the
   /// step, from windows whose next victims are cheaper to lose (see Rebalance).
   void RefreshBlocks();
+  /// Drops every cached prefix (vLLM's reset_prefix_cache: after a weight update, for
+  /// benchmarks). Returns false, changing nothing, while any sequence is registered or any block
+  /// is pinned. Otherwise every window's cached blocks leave the reuse tree through the eviction
+  /// drop (WindowBlockManager::Drop, so `removed` events are emitted as for an eviction): primary
+  /// ones become plain free blocks, secondary (host) blocks and disk slots are freed, the tree is
+  /// left with its root alone, and true is returned (also without reuse, where nothing is cached).
+  /// The shared tier (Redis) is not touched: its blocks stay in the store and still serve hits
+  /// past an empty local cache. Cumulative counters (reused, missed, offloaded, ...) are kept.
+  bool ResetPrefixCache();
   /// What AddSequence would return now for this prompt, without changing anything. With a shared
   /// tier, the store is probed as AddSequence's lookup first probes it (one pipelined EXISTS
   /// round trip within shared_cache_timeout_ms; a failure is a miss, counted, never thrown);
