@@ -705,6 +705,15 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("layer_idx"), "LayerBuffer view on any backend with memory (tests).")
       .def("_stats_dict", [](const M& self) { return StatsToDict(self.GetStats()); })
       .def(
+          "reset_prefix_cache",
+          [](M& self) {
+            pybind11::gil_scoped_release release;
+            return self.ResetPrefixCache();
+          },
+          "Drops every cached prefix (removed events as for an eviction; host and disk tiers too, the "
+          "shared tier is not touched) and returns True; False, changing nothing, while any sequence "
+          "is registered or any block is pinned.")
+      .def(
           "check_invariants",
           [](const M& self) {
             pybind11::gil_scoped_release release;

@@ -385,6 +385,10 @@ class KVCacheManager:
         """
         Ends a sequence and releases its blocks (stored for reuse first). With pin=True returns the pinned block ids per window, which unpin_blocks_by_id takes back; else None.
         """
+    def reset_prefix_cache(self) -> bool:
+        """
+        Drops every cached prefix (removed events as for an eviction; host and disk tiers too, the shared tier is not touched) and returns True; False, changing nothing, while any sequence is registered or any block is pinned.
+        """
     def rewind(self, request_id: typing.SupportsIndex, num_tokens: typing.SupportsIndex) -> None:
         """
         Drops the last num_tokens tokens, releasing blocks that become empty.

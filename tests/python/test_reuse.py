@@ -240,3 +240,115 @@ def test_refresh_blocks_decays_timed_priorities() -> None:
     m.refresh_blocks()
     (event,) = m.get_latest_events()
     assert (event.kind, event.data["priority"]) == ("updated", (90, 35))
+
+
+def _hashes(events: list[KVCacheEvent], kind: str) -> dict[int, list[int]]:
+    """Block hashes per window named by the events of ``kind`` (sorted)."""
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if e.kind == "stored":
+            found = [b["block_hash"] for b in e.data["blocks"]]
+        elif e.kind == "removed":
+            found = list(e.data["block_hashes"])
+        else:
+            continue
+        if e.kind == kind:
+            out.setdefault(e.window_size, []).extend(found)
+    return {w: sorted(h) for w, h in out.items()}
+
+
+def test_reset_prefix_cache_refused_while_running_then_drops_every_prefix() -> None:
+    m = make(event_buffer_max_size=64, blocks={64: 8})
+    m.get_latest_events()
+    prompt = list(range(13))
+    assert m.add_sequence(1, prompt) == 0
+    assert m.store_context_blocks(1) == 3  # 12 key tokens: three full blocks
+    assert m.get_reusable_prefix_length(prompt) == 12
+    stored = _hashes(m.get_latest_events(), "stored")
+    assert [len(h) for h in stored.values()] == [3]
+
+    assert m.reset_prefix_cache() is False  # request 1 still runs: nothing changes
+    assert m.get_reusable_prefix_length(prompt) == 12
+    assert m.get_kv_cache_stats().num_cached_nodes == 3
+    assert m.get_latest_events() == []
+    m.check_invariants()
+
+    m.remove_sequence(1)
+    assert m.reset_prefix_cache() is True
+    assert m.get_reusable_prefix_length(prompt) == 0
+    assert m.get_num_free_blocks(64) == 8
+    stats = m.get_kv_cache_stats()
+    assert (stats.num_cached_nodes, stats.free_num_blocks) == (0, 8)
+    events = m.get_latest_events()
+    assert {e.kind for e in events} == {"removed"}
+    assert _hashes(events, "removed") == stored
+    m.check_invariants()
+
+    assert m.reset_prefix_cache() is True  # nothing left to drop
+    assert m.get_latest_events() == []
+    assert m.add_sequence(2, prompt) == 0
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_refused_while_a_block_is_pinned() -> None:
+    m = make()
+    m.add_sequence(1, list(range(9)))
+    pinned = m.pin_blocks(1)
+    assert pinned == {64: [0, 1]}
+    m.remove_sequence(1)
+    assert m.reset_prefix_cache() is False
+    assert m.get_reusable_prefix_length(list(range(9))) == 8
+    m.check_invariants()
+    m.unpin_blocks_by_id(pinned)
+    assert m.reset_prefix_cache() is True
+    assert m.get_reusable_prefix_length(list(range(9))) == 0
+    assert m.get_num_free_blocks() == 16
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_drops_offloaded_blocks() -> None:
+    m = make(event_buffer_max_size=64, blocks={64: (4, 2)})
+    m.add_sequence(1, list(range(9)))
+    m.remove_sequence(1)  # two full blocks cached in primary blocks 0, 1
+    m.add_sequence(2, list(range(100, 113)))  # scratch 2, 3, then evicts 1 and 0 to the host
+    assert m.get_kv_cache_stats().offloaded_blocks == 2
+    m.remove_sequence(2)
+    assert m.get_reusable_prefix_length(list(range(9))) == 8  # served from host blocks
+    stored = _hashes(m.get_latest_events(), "stored")
+    assert [len(h) for h in stored.values()] == [5]
+
+    assert m.reset_prefix_cache() is True
+    assert _hashes(m.get_latest_events(), "removed") == stored
+    assert m.get_reusable_prefix_length(list(range(9))) == 0
+    assert m.get_num_free_blocks() == 4
+    m.check_invariants()
+    assert m.add_sequence(3, list(range(9))) == 0
+    assert m.get_kv_cache_stats().onboarded_blocks == 0
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_clears_every_window() -> None:
+    m = make([8, None], {8: 8, 64: 16}, event_buffer_max_size=64)
+    m.get_latest_events()
+    prompt = list(range(21))
+    m.add_sequence(1, prompt)
+    m.remove_sequence(1)
+    assert m.get_reusable_prefix_length(prompt) == 20
+    stored = _hashes(m.get_latest_events(), "stored")
+    assert sorted(stored) == [8, 64] and len(stored[64]) == 5
+
+    assert m.reset_prefix_cache() is True
+    assert _hashes(m.get_latest_events(), "removed") == stored
+    assert m.get_reusable_prefix_length(prompt) == 0
+    assert (m.get_num_free_blocks(8), m.get_num_free_blocks(64)) == (8, 16)
+    assert m.get_kv_cache_stats().num_cached_nodes == 0
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_without_reuse() -> None:
+    m = make(enable_block_reuse=False)
+    assert m.reset_prefix_cache() is True
+    m.add_sequence(1, list(range(9)))
+    assert m.reset_prefix_cache() is False
+    m.remove_sequence(1)
+    assert m.reset_prefix_cache() is True
