@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -187,7 +188,11 @@ TEST_P(ResetPrefixCacheVswaTest, EveryWindowIsCleared) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ResetPrefixCacheVswaTest,
-                         ::testing::Values(SwaReusePolicy::kPlaceholder, SwaReusePolicy::kInvalidate));
+                         ::testing::Values(SwaReusePolicy::kPlaceholder, SwaReusePolicy::kInvalidate),
+                         [](const ::testing::TestParamInfo<SwaReusePolicy>& param) {
+                           return std::string(param.param == SwaReusePolicy::kPlaceholder ? "Placeholder"
+                                                                                          : "Invalidate");
+                         });
 
 TEST(ResetPrefixCacheTest, LendingStaysConsistent) {
   ManagerConfig c = ResetConfig({4, 0}, {{4, 2}, {64, 6}});
