@@ -93,6 +93,7 @@ calls = {
     "pin_blocks": lambda: m.pin_blocks(1),
     "get_num_free_blocks": lambda: m.get_num_free_blocks(),
     "refresh_blocks": lambda: m.refresh_blocks(),
+    "reset_prefix_cache": lambda: m.reset_prefix_cache(),
     "prefill": lambda: m.prefill(1, 1),
     "prompt_length": lambda: m.prompt_length(1),
     "can_allocate": lambda: m.can_allocate({}),
@@ -963,7 +964,7 @@ def test_every_public_callable_rejects_bad_input_and_changes_nothing(
 def test_bad_call_table_covers_every_public_manager_method() -> None:
     """A new public method needs a row above (properties are read, not called with input)."""
     covered = {name.split("-")[0] for name, *_ in BAD_CALLS}
-    no_input = {"check_invariants", "refresh_blocks", "get_kv_cache_stats"}
+    no_input = {"check_invariants", "refresh_blocks", "reset_prefix_cache", "get_kv_cache_stats"}
     methods = {
         n
         for n in dir(KVCacheManager)
