@@ -285,6 +285,8 @@ class EventBatcher:
             ``"array"`` (the older positional-array events).
         data_parallel_rank: Written into every batch (``None``: not written).
         lora_names: LoRA task id -> adapter name, written as ``lora_name``.
+        schema: The structs events are built with, in place of ``event_format``'s (an engine
+            that publishes its own event classes, as ``kvcache.vllm`` does with vLLM's).
 
     Raises:
         ValueError: Events disabled on the manager, or a bad argument.
@@ -312,6 +314,7 @@ class EventBatcher:
         event_format: str = "map",
         data_parallel_rank: int | None = None,
         lora_names: Mapping[int, str] | None = None,
+        schema: WireSchema | None = None,
     ) -> None:
         config = getattr(manager, "config", None)
         if config is None or getattr(config, "event_buffer_max_size", 0) <= 0:
@@ -332,7 +335,9 @@ class EventBatcher:
         if event_format not in ("array", "map"):
             raise ValueError(f'event_format must be "array" or "map", got {event_format!r}')
         self._manager = manager
-        self._schema = ARRAY_SCHEMA if event_format == "array" else MAP_SCHEMA
+        if schema is None:
+            schema = ARRAY_SCHEMA if event_format == "array" else MAP_SCHEMA
+        self._schema = schema
         self._lora_names = names
         self._encoder = msgspec.msgpack.Encoder()
         self._dp_rank = data_parallel_rank
