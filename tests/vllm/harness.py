@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in t
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from tiny_models import VOCAB, save_tiny_model  # noqa: E402
+from tiny_models import VOCAB, save_tiny_model
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 
@@ -104,7 +104,12 @@ def scheduler_for(which: str) -> type:
 
 
 def shared_prefix_prompts(
-    seed: int, n: int, *, prefixes: int = 2, prefix_len: int = 150, suffix: tuple[int, int] = (5, 90)
+    seed: int,
+    n: int,
+    *,
+    prefixes: int = 2,
+    prefix_len: int = 150,
+    suffix: tuple[int, int] = (5, 90),
 ) -> list[list[int]]:
     """``n`` token prompts, each one of ``prefixes`` shared prefixes plus its own suffix."""
     rng = random.Random(seed)

@@ -47,7 +47,9 @@ def main() -> None:
     if kv is not None:
         stats = kv.get_kv_cache_stats()
         result["copied_on_write_blocks"] = stats.copied_on_write_blocks
-        result["blocks_per_window"] = {str(w): b for w, b in sched.kv_cache_manager.layout.blocks.items()}
+        result["blocks_per_window"] = {
+            str(w): b for w, b in sched.kv_cache_manager.layout.blocks.items()
+        }
         kv.check_invariants()
     print("RESULT " + json.dumps(result))
 

@@ -33,12 +33,9 @@ from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # type: ignore[import-not-found]
 from vllm.v1.metrics.stats import PrefixCacheStats  # type: ignore[import-not-found]
 
-from kvcache import KVCacheManager, KvCacheConfig, OutOfBlocksError
-from kvcache.sizing import resolve_share_policy
+from kvcache import KVCacheManager, OutOfBlocksError
 from kvcache.vllm.events import GroupEvents
-from kvcache.vllm.layout import GroupLayout, page_model
-
-_EVENT_BUFFER = 1 << 20  # kvcache events kept between two steps when vLLM publishes events
+from kvcache.vllm.layout import GroupLayout
 
 
 class _IdBlocks(KVCacheBlocks):  # type: ignore[misc]
@@ -50,7 +47,7 @@ class _IdBlocks(KVCacheBlocks):  # type: ignore[misc]
         self._pool = pool
 
     @property
-    def blocks(self) -> tuple[list[Any], ...]:  # noqa: D102 (the base class's field)
+    def blocks(self) -> tuple[list[Any], ...]:
         return tuple([self._pool.blocks[i] for i in ids] for ids in self._ids)
 
     def get_block_ids(
@@ -434,63 +431,3 @@ class VllmKVCacheManager:
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         """Mamba tails for a connector: none."""
         return []
-
-
-def kvcache_config_for(
-    group_windows: Sequence[int | None],
-    *,
-    block_size: int,
-    enable_caching: bool,
-    enable_events: bool,
-    max_num_batched_tokens: int,
-    window_size_shares: Any = None,
-    swa_reuse_policy: str = "placeholder",
-    lend_free_memory: bool = True,
-) -> KvCacheConfig:
-    """kvcache's configuration for vLLM's groups (virtual backend: vLLM owns the memory).
-
-    Without ``window_size_shares`` and with neither ``KVCACHE_WINDOW_SIZE_SHARES`` nor
-    ``TRTLLM_WINDOW_SIZE_SHARES`` set, the windows share vLLM's pages by kvcache's ``"auto"``
-    policy (each window's demand under chunked prefill first): vLLM's own manager lets every
-    group draw from one pool, which an equal split of a Gemma-3 (five sliding groups, one
-    full) would leave mostly idle.
-    """
-    if window_size_shares is None and resolve_share_policy(None)[1] == "default":
-        window_size_shares = "auto"
-    return KvCacheConfig(
-        tokens_per_block=block_size,
-        max_attention_window=list(group_windows),
-        backend="virtual",
-        enable_block_reuse=enable_caching,
-        enable_partial_reuse=False,
-        onboard_blocks=False,
-        window_size_shares=window_size_shares,
-        swa_reuse_policy=swa_reuse_policy,
-        max_num_batched_tokens=max_num_batched_tokens,
-        lend_free_memory=lend_free_memory and len(set(group_windows)) > 1,
-        event_buffer_max_size=_EVENT_BUFFER if enable_events else 0,
-    )
-
-
-def build_manager(
-    layout: GroupLayout, config: KvCacheConfig, *, max_seq_len: int, max_batch_size: int
-) -> KVCacheManager:
-    """The kvcache manager for a layout, with exactly the layout's blocks per window.
-
-    Raises:
-        ValueError: Under lending, kvcache's arena (the split rounded to whole slabs) needs
-            more pages than vLLM has.
-    """
-    kv = KVCacheManager.from_blocks(
-        page_model(len(layout.group_windows)),
-        config,
-        dict(layout.blocks),
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-    )
-    if layout.lends:
-        pool = kv.pools[0]
-        pages = pool["num_primary_blocks"] * len(pool["layers"])
-        if pages > layout.num_blocks - 1:
-            raise ValueError(f"kvcache's arena needs {pages} pages, vLLM has {layout.num_blocks - 1}")
-    return kv

@@ -10,7 +10,8 @@ one after the other from id 1 up; inside a window, group ``j``'s ids are ``base 
 for kvcache block ``k``. When the windows lend each other memory (kvcache's
 ``lend_free_memory``, the default here with several windows), kvcache block ``k`` of a window
 of ``G`` groups is ``G`` consecutive pages of one arena: group ``j``'s id is ``1 + G * k + j``,
-and a slab of pages a window lends moves to the other window with ids nobody holds. How many blocks each window gets is kvcache's sizing: the memory
+and a slab of pages a window lends moves to the other window with ids nobody holds.
+How many blocks each window gets is kvcache's sizing: the memory
 budget is the ``num_blocks - 1`` pages and the window shares (``"equal"`` by default,
 ``KVCACHE_WINDOW_SIZE_SHARES``, ``TRTLLM_WINDOW_SIZE_SHARES`` or the ``window_size_shares``
 option, ``"auto"`` included) split it.
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvcache.config import KvCacheConfig, ModelConfig
-from kvcache.sizing import blocks_per_window
+from kvcache.manager import KVCacheManager
+from kvcache.sizing import blocks_per_window, resolve_share_policy
 
 #: Bytes of one page in the model kvcache sizes vLLM's pages with: one KV head of size one in
 #: float32, per token (``kv_factor`` 2). Only the ratio of the budget to a page matters.
 _PAGE_HEAD_DIM = 1
+_EVENT_BUFFER = 1 << 20  # kvcache events kept between two steps when vLLM publishes events
 
 
 @dataclass(frozen=True)
@@ -148,3 +152,65 @@ def plan_layout(
             f"kvcache's windows need {layout.used_pages} pages, vLLM has {num_blocks - 1}"
         )
     return layout
+
+
+def kvcache_config_for(
+    group_windows: Sequence[int | None],
+    *,
+    block_size: int,
+    enable_caching: bool,
+    enable_events: bool,
+    max_num_batched_tokens: int,
+    window_size_shares: Any = None,
+    swa_reuse_policy: str = "placeholder",
+    lend_free_memory: bool = True,
+) -> KvCacheConfig:
+    """kvcache's configuration for vLLM's groups (virtual backend: vLLM owns the memory).
+
+    Without ``window_size_shares`` and with neither ``KVCACHE_WINDOW_SIZE_SHARES`` nor
+    ``TRTLLM_WINDOW_SIZE_SHARES`` set, the windows share vLLM's pages by kvcache's ``"auto"``
+    policy (each window's demand under chunked prefill first): vLLM's own manager lets every
+    group draw from one pool, which an equal split of a Gemma-3 (five sliding groups, one
+    full) would leave mostly idle.
+    """
+    if window_size_shares is None and resolve_share_policy(None)[1] == "default":
+        window_size_shares = "auto"
+    return KvCacheConfig(
+        tokens_per_block=block_size,
+        max_attention_window=list(group_windows),
+        backend="virtual",
+        enable_block_reuse=enable_caching,
+        enable_partial_reuse=False,
+        onboard_blocks=False,
+        window_size_shares=window_size_shares,
+        swa_reuse_policy=swa_reuse_policy,
+        max_num_batched_tokens=max_num_batched_tokens,
+        lend_free_memory=lend_free_memory and len(set(group_windows)) > 1,
+        event_buffer_max_size=_EVENT_BUFFER if enable_events else 0,
+    )
+
+
+def build_manager(
+    layout: GroupLayout, config: KvCacheConfig, *, max_seq_len: int, max_batch_size: int
+) -> KVCacheManager:
+    """The kvcache manager for a layout, with exactly the layout's blocks per window.
+
+    Raises:
+        ValueError: Under lending, kvcache's arena (the split rounded to whole slabs) needs
+            more pages than vLLM has.
+    """
+    kv = KVCacheManager.from_blocks(
+        page_model(len(layout.group_windows)),
+        config,
+        dict(layout.blocks),
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+    )
+    if layout.lends:
+        pool = kv.pools[0]
+        pages = pool["num_primary_blocks"] * len(pool["layers"])
+        if pages > layout.num_blocks - 1:
+            raise ValueError(
+                f"kvcache's arena needs {pages} pages, vLLM has {layout.num_blocks - 1}"
+            )
+    return kv

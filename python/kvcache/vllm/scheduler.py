@@ -23,8 +23,8 @@ from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found]
     SlidingWindowSpec,
 )
 
-from kvcache.vllm.adapter import VllmKVCacheManager, build_manager, kvcache_config_for
-from kvcache.vllm.layout import plan_layout
+from kvcache.vllm.adapter import VllmKVCacheManager
+from kvcache.vllm.layout import build_manager, kvcache_config_for, plan_layout
 
 #: The vLLM release the adapter is written and tested against (the scheduler interface is not
 #: public in vLLM and changes between releases).
