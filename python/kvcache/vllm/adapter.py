@@ -166,7 +166,7 @@ class VllmKVCacheManager:
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """Counts one lookup in vLLM's ``PrefixCacheStats``, as vLLM's manager does."""
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
             return
         self.prefix_cache_stats.record(
             num_tokens=request.num_tokens,

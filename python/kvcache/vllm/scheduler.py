@@ -123,6 +123,8 @@ class Scheduler(_VllmScheduler):  # type: ignore[misc]
             lists every such thing.
     """
 
+    kv_cache_manager: Any
+
     #: kvcache options of this class (see :func:`scheduler_class`).
     kvcache_options: dict[str, Any] = {}  # noqa: RUF012 (replaced, never mutated)
 
