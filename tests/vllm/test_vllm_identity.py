@@ -83,7 +83,9 @@ def test_identical_tokens_under_preemption(kind: str, blocks: int, root: Path) -
     vanilla, ours = both(kind, root, WAVES, num_gpu_blocks_override=blocks, max_model_len=320)
     assert ours["outputs"] == vanilla["outputs"]
     assert ours["num_blocks"] == blocks
-    assert ours["preempted_requests"] > 0  # the pool is small enough to preempt
+    assert vanilla["preempted_requests"] > 0  # the pool is small enough to preempt
+    if kind != "mistral":  # Mistral: kvcache's sliding window releases enough to need none
+        assert ours["preempted_requests"] > 0
     assert ours["hits"] > 0
     if kind != "llama":
         # Llama at 40 blocks: kvcache's eviction keeps 3 fewer of one request's own blocks
