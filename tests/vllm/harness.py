@@ -7,8 +7,11 @@ through vLLM with ``kvcache.vllm.Scheduler``, counting what vLLM's own stats rep
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,3 +155,42 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[l
     params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_in_process(
+    kind: str,
+    which: str,
+    root: Path | str,
+    waves: list[list[list[int]]],
+    *,
+    max_tokens: int = 24,
+    reset_between: bool = False,
+    **llm_kwargs: Any,
+) -> Any:
+    """Runs ``run_engine.py`` (one engine, its own process) and returns what it reported.
+
+    Raises:
+        RuntimeError: The engine reported nothing (the message holds its stderr's end).
+    """
+    here = Path(__file__).parent
+    spec = {
+        "kind": kind,
+        "which": which,
+        "root": str(root),
+        "waves": waves,
+        "max_tokens": max_tokens,
+        "reset_between": reset_between,
+        "llm": llm_kwargs,
+    }
+    p = subprocess.run(
+        [sys.executable, str(here / "run_engine.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=here,
+        timeout=900,
+        check=False,
+    )
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(p.stderr[-4000:])
+    return json.loads(lines[-1][len("RESULT ") :])

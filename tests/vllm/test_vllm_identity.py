@@ -7,9 +7,6 @@ CI runs this directory in a virtual environment of its own (``.ci/run``).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,32 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness import shared_prefix_prompts
-
-HERE = Path(__file__).parent
-
-
-def run(kind: str, which: str, root: Path, waves: list[list[list[int]]], **kw: Any) -> Any:
-    spec = {
-        "kind": kind,
-        "which": which,
-        "root": str(root),
-        "waves": waves,
-        "max_tokens": kw.pop("max_tokens", 24),
-        "reset_between": kw.pop("reset_between", False),
-        "llm": kw,
-    }
-    p = subprocess.run(
-        [sys.executable, str(HERE / "run_engine.py"), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, p.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+from harness import run_in_process, shared_prefix_prompts
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +23,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def both(kind: str, root: Path, waves: list[list[list[int]]], **kw: Any) -> tuple[Any, Any]:
-    vanilla = run(kind, "vllm", root, waves, **dict(kw))
-    ours = run(kind, "kvcache", root, waves, **dict(kw))
+    vanilla = run_in_process(kind, "vllm", root, waves, **kw)
+    ours = run_in_process(kind, "kvcache", root, waves, **kw)
     assert vanilla["manager"] == "KVCacheManager"
     assert ours["manager"] == "VllmKVCacheManager"
     assert ours["copied_on_write_blocks"] == 0
