@@ -41,4 +41,5 @@ PYBIND11_MODULE(_core, m) {
       "Chained block keys of the full blocks of `tokens` (the core's ChainHashes).");
   kvcache::py::BindManager(m);
   kvcache::py::BindEstimates(m);
+  kvcache::py::BindState(m);
 }

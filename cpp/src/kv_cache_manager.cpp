@@ -95,10 +95,11 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   const auto& pattern = config.max_attention_window;
   for (std::int32_t l = 0; l < model.num_layers && !pattern.empty(); ++l) {
     const std::int32_t w = pattern[static_cast<std::size_t>(l) % pattern.size()];
-    layer_window[l] = (w <= 0 || w >= max_seq_len_) ? max_seq_len_ : w;
+    layer_window[l] = EffectiveWindow(w, max_seq_len_);
   }
   const std::set<WindowSize> distinct(layer_window.begin(), layer_window.end());
   window_sizes_.assign(distinct.begin(), distinct.end());
+  for (const WindowSize w : window_sizes_) kinds_.push_back(MakeAttentionKind(w, max_seq_len_));
   ValidateBlockCounts(config, window_sizes_);
 
   reuse_ = config.enable_block_reuse;
@@ -112,11 +113,13 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
     ThrowInvalid("protected_fraction must be in [0, 1], got ", config.protected_fraction);
   }
   if (config.event_buffer_max_size > 0) events_ = std::make_unique<EventLog>(config.event_buffer_max_size);
-  tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size()));
+  std::vector<StateGroupLayout> state_groups = PlanStateGroups(model.recurrent_layers);
+  tree_ = std::make_unique<ReuseTree>(static_cast<std::int32_t>(window_sizes_.size() + state_groups.size()));
   backend_ = MakeBackend(config.backend);
   std::vector<std::vector<PoolLayout>> pools = PlanPools(model, layer_window);
   MakeSharedTier(config, pools);
   MakeWindows(config, std::move(pools));
+  MakeStatePools(config, std::move(state_groups));
   check_need_.assign(window_sizes_.size(), 0);
   admit_fresh_.assign(window_sizes_.size(), 0);
   check_available_.assign(window_sizes_.size(), 0);
@@ -124,11 +127,8 @@ KVCacheManager::KVCacheManager(const ModelSpec& model, const ManagerConfig& conf
   counters_.assign(windows_.size(), WindowCounters{});
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     window_blocks_.push_back(CeilDiv(window_sizes_[w], tpb_));
-    keep_.push_back(windows_[w]->is_swa() ? block_math::Keep(window_sizes_[w], max_draft_tokens_, max_seq_len_)
-                                          : block_math::kKeepAll);
-    // Full attention never releases: a base no sequence length reaches.
-    release_base_.push_back(windows_[w]->is_swa() ? static_cast<std::int64_t>(window_sizes_[w]) + max_draft_tokens_ + tpb_
-                                                  : std::numeric_limits<std::int64_t>::max() / 2);
+    keep_.push_back(kinds_[w]->Keep(max_draft_tokens_, max_seq_len_));
+    release_base_.push_back(kinds_[w]->ReleaseBase(tpb_, max_draft_tokens_));
   }
   bool tiers = false;  // a host tier in some window (a disk tier needs one)
   for (const auto& wm : windows_) tiers = tiers || wm->num_secondary() > 0;
@@ -142,9 +142,10 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
   for (std::size_t w = 0; w < window_sizes_.size(); ++w) {
     const WindowSize window = window_sizes_[w];
     const WindowBlocks counts = config.blocks_per_window.at(window);
-    const bool swa = window < max_seq_len_;
+    const AttentionKind& kind = *kinds_[w];
+    const bool swa = kind.ReleasesBlocks();
     WindowReuseOptions options;
-    options.cascade_on_evict = !swa || swa_policy_ == SwaReusePolicy::kInvalidate;
+    options.cascade_on_evict = kind.CascadesOnEvict(swa_policy_ == SwaReusePolicy::kInvalidate);
     options.onboard_blocks = config.onboard_blocks;
     options.secondary_offload_min_priority = config.secondary_offload_min_priority;
     options.protect_hit_blocks = config.protect_hit_blocks;
@@ -172,7 +173,9 @@ void KVCacheManager::MakeWindows(const ManagerConfig& config, std::vector<std::v
   lender_->Start();
 }
 
-KVCacheManager::~KVCacheManager() = default;
+KVCacheManager::~KVCacheManager() {
+  if (zeros_ptr_ != nullptr) backend_->Free(CacheLevel::kSecondary, zeros_ptr_);
+}
 
 std::map<WindowSize, WindowBlocks> KVCacheManager::blocks_per_window() const {
   std::map<WindowSize, WindowBlocks> out;
@@ -395,7 +398,9 @@ void KVCacheManager::Prefill(const SeqId* ids, const std::int32_t* num_tokens, s
       }
       seq.new_blocks += static_cast<std::int64_t>(grow) * static_cast<std::int64_t>(windows_.size());
     }
+    const std::int32_t old_len = seq.num_tokens;
     seq.num_tokens = new_len;
+    AdvanceState(seq, old_len, new_len);
   }
   for (auto& c : counters_) {
     c.alloc_total += need;
@@ -533,6 +538,7 @@ void KVCacheManager::AddTokensLocked(const SeqId* ids, const TokenId* tokens, st
     seq.AppendToken(tokens[i]);
     ++seq.num_tokens;
     for (std::size_t w = 0; w < windows_.size(); ++w) ReleaseFront(seq, w, seq.num_tokens);
+    if (!states_.empty()) AdvanceState(seq, seq.num_tokens - 1, seq.num_tokens);
   }
   if (!any_need) return;
   if (copies > 0) CopyBatchWrites();
@@ -562,7 +568,9 @@ std::map<WindowSize, std::vector<BlockId>> KVCacheManager::RemoveSequence(SeqId 
   std::vector<std::vector<BlockId>> pinned(windows_.size());
   if (reuse_ && store_for_reuse && (seq.valid_for_reuse || swa_policy_ == SwaReusePolicy::kPlaceholder)) {
     StoreChain(seq, seq.num_tokens - 1, /*full_only=*/false, pin ? &pinned : nullptr);
+    StoreCheckpoints(seq, seq.num_tokens - 1, /*all=*/true);
   }
+  ReleaseState(seq);
   ForgetReleases(seq);
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     // Newest first: a sequence's tail is the least shareable part and is evicted first.
@@ -589,6 +597,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
                    ") tokens past the last release");
     }
   }
+  const std::int32_t restore = RewindCheckpoint(seq, new_len);  // throws without one
   const auto keep = static_cast<std::size_t>(CeilDiv(new_len, tpb_));
   const std::int32_t tail_tokens = new_len % tpb_;
   // The last kept block will be written again: unless it is private, it is copied first.
@@ -623,6 +632,7 @@ void KVCacheManager::Rewind(SeqId id, std::int32_t num_tokens) {
   seq.num_tokens = new_len;
   // Rewound prompt tokens are prompt no longer: what store_context_blocks may store shrinks too.
   seq.prompt_len = std::min(seq.prompt_len, new_len);
+  RewindState(seq, restore);
 }
 
 std::int32_t KVCacheManager::NumTokens(SeqId id) const {
@@ -716,6 +726,20 @@ KvCacheStats KVCacheManager::GetStats() const {
   s.lent_slabs = lender_->lent_slabs();
   s.allocated_bytes += backend_->HasMemory() ? static_cast<std::int64_t>(lender_->arena_bytes()) : 0;
   s.used_num_blocks = s.max_num_blocks - s.free_num_blocks;
+  for (const auto& pool : states_) {
+    s.state_slots += pool->num_slots();
+    s.working_state_slots += pool->NumWorking();
+    s.pending_checkpoints += pool->NumPending();
+    s.cached_checkpoints += pool->NumCached();
+    s.free_state_slots += pool->NumFree();
+    s.checkpoints_evicted += pool->evicted();
+  }
+  s.checkpoints_stored = state_counters_.stored;
+  s.checkpoints_restored = state_counters_.restored;
+  s.checkpoints_skipped = state_counters_.skipped;
+  s.lost_hit_tokens_attention = state_counters_.lost_attention;
+  s.lost_hit_tokens_sliding_window = state_counters_.lost_sliding;
+  s.lost_hit_tokens_no_checkpoint = state_counters_.lost_checkpoint;
   const auto lookups = s.reused_blocks + s.missed_blocks;
   s.cache_hit_rate = lookups == 0 ? 0.0 : static_cast<double>(s.reused_blocks) / static_cast<double>(lookups);
   return s;

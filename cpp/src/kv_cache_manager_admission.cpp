@@ -25,7 +25,7 @@ void KVCacheManager::PromptBlocksNeeded(const ReusePlan& plan, std::int32_t num_
   for (std::size_t w = 0; w < windows_.size(); ++w) {
     const WindowBlockManager& wm = *windows_[w];
     std::int32_t& f = front[w];
-    if (wm.is_swa()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
+    if (kinds_[w]->ReleasesBlocks()) f = std::max(0, plan.reused_tokens - window_sizes_[w]) / tpb_;
     KVC_CHECK(f <= plan.full_blocks + plan.shared_blocks, "reuse plan: released front past the matched blocks");
     // The partial block (taken over or copied), blocks filled from the shared tier, fresh ones.
     need[w] = num_blocks - std::max(f, plan.full_blocks);
@@ -198,6 +198,8 @@ std::int32_t KVCacheManager::AddSequenceLocked(SeqId id, const TokenId* tokens, 
     try {
       Admit(seq, plan, a, &src_held);
       shared_fetch_ = SharedFetch{};  // its bytes are in the blocks now
+      AdmitState(seq, plan, a.first);
+      CountLostHits(plan);
       return plan.reused_tokens;
     } catch (const DiskReadError& e) {
       UndoAdmission(seq, plan, src_held);

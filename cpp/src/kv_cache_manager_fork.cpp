@@ -52,6 +52,7 @@ void KVCacheManager::ForkSequence(SeqId parent, const SeqId* children, std::size
         if (b != kNullBlock && wm.Generation(b) == generation) wm.RecordRelease(b, child.id);
       }
     }
+    ForkState(src, child);
   }
   forked_ = true;
   if (backend_->HasMemory()) may_copy_.store(true, std::memory_order_relaxed);

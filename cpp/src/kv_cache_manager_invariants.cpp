@@ -26,6 +26,7 @@ void KVCacheManager::CheckInvariants() const {
   for (std::size_t w = 0; w < windows_.size(); ++w) windows_[w]->CheckInvariants(refs[w]);
   lender_->CheckInvariants();
   CheckOwnership();
+  CheckStateInvariants();
 }
 
 void KVCacheManager::CheckSequence(SeqId id, const Sequence& seq, std::vector<std::vector<std::int32_t>>* refs) const {
@@ -40,7 +41,7 @@ void KVCacheManager::CheckSequence(SeqId id, const Sequence& seq, std::vector<st
     KVC_CHECK(sw.blocks.size() == positions,
               detail::Concat("request ", id, ", window ", window_sizes_[w], ": ", sw.blocks.size(),
                              " block positions for ", seq.num_tokens, " tokens"));
-    const std::int64_t limit = windows_[w]->is_swa() ? seq.num_tokens - window_sizes_[w] : 0;
+    const std::int64_t limit = kinds_[w]->ReleasesBlocks() ? seq.num_tokens - window_sizes_[w] : 0;
     KVC_CHECK(static_cast<std::int32_t>(sw.released.size()) == sw.front_null,
               detail::Concat("request ", id, ": released list does not match the released front"));
     KVC_CHECK(sw.front_null == 0 || static_cast<std::int64_t>(sw.front_null) * tpb_ <= limit,

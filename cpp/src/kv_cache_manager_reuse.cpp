@@ -41,6 +41,9 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
   plan.partial_tokens = 0;
   plan.reused_tokens = 0;
   plan.shared_blocks = 0;
+  plan.attention_blocks = 0;
+  plan.full_attention_blocks = 0;
+  plan.restore.assign(states_.size(), kNoSlot);
   plan.partial_src.assign(nw, kNullBlock);
   plan.partial_takeover.assign(nw, 0);
   if (!reuse_) return plan;
@@ -48,7 +51,14 @@ const KVCacheManager::ReusePlan& KVCacheManager::PlanReuse(const TokenId* tokens
   const auto key_len = static_cast<std::int32_t>(n) - 1;
   if (key_len <= 0) return plan;
   MatchFullBlocks(tokens, key_len / tpb_, extras, prepared, &plan.path);
-  plan.full_blocks = ServedPrefix(plan.path);
+  plan.full_blocks = ServedPrefix(plan.path, &plan.full_attention_blocks);
+  plan.attention_blocks = plan.full_blocks;
+  if (!states_.empty()) {
+    // Every state group must resume exactly at a block boundary: no partial block.
+    plan.full_blocks = StateServed(plan.path, plan.full_blocks, &plan);
+    plan.reused_tokens = plan.full_blocks * tpb_;
+    return plan;
+  }
   plan.reused_tokens = plan.full_blocks * tpb_;
   if (!partial_reuse_) return plan;
   if (MatchPartialBlock(tokens, key_len, extras, &plan)) {
@@ -75,7 +85,7 @@ void KVCacheManager::MatchFullBlocks(const TokenId* tokens, std::int32_t num_ful
   }
 }
 
-std::int32_t KVCacheManager::ServedPrefix(const std::vector<NodeId>& path) const {
+std::int32_t KVCacheManager::ServedPrefix(const std::vector<NodeId>& path, std::int32_t* full_cut) const {
   // The longest block-aligned prefix every window can serve: a full-attention window needs every
   // block before it, a sliding window only those covering its last `window` tokens. The first
   // pass cuts at a full-attention gap and looks for sliding-window gaps; only with one (blocks
@@ -83,7 +93,7 @@ std::int32_t KVCacheManager::ServedPrefix(const std::vector<NodeId>& path) const
   auto full = static_cast<std::int32_t>(path.size());
   bool swa_gap = false;  // some sliding window lacks a block on the path (else it serves every prefix)
   for (std::size_t w = 0; w < windows_.size(); ++w) {
-    const bool swa = windows_[w]->is_swa();
+    const bool swa = kinds_[w]->ReleasesBlocks();
     const auto wi = static_cast<std::int32_t>(w);
     for (std::int32_t i = 0; i < full; ++i) {
       if (tree_->Block(path[static_cast<std::size_t>(i)], wi) == kNullBlock) {
@@ -96,6 +106,7 @@ std::int32_t KVCacheManager::ServedPrefix(const std::vector<NodeId>& path) const
       }
     }
   }
+  if (full_cut != nullptr) *full_cut = full;
   return swa_gap && full > 0 ? ServedBySlidingWindows(path, full) : full;
 }
 
@@ -116,7 +127,7 @@ std::int32_t KVCacheManager::ServedBySlidingWindows(const std::vector<NodeId>& p
     const NodeId nd = path[static_cast<std::size_t>(i)];
     bool served = true;
     for (std::size_t w = 0; w < nw; ++w) {
-      if (!windows_[w]->is_swa()) continue;
+      if (!kinds_[w]->ReleasesBlocks()) continue;
       if (tree_->Block(nd, static_cast<std::int32_t>(w)) == kNullBlock) last_gap[w] = i;
       // max(0, (i + 1) * tpb - window) / tpb without a division per block and window.
       const std::int32_t first_needed = std::max(0, i + 1 - window_blocks_[w]);
@@ -227,12 +238,12 @@ bool KVCacheManager::Settled(std::size_t w, NodeId node, BlockId b) const {
   // it is evicted. So under "invalidate" with a sliding window every walk starts at the root
   // (StoreResumable).
   if (b != kNullBlock) return tree_->Block(node, static_cast<std::int32_t>(w)) == b;
-  return windows_[w]->is_swa() && swa_policy_ == SwaReusePolicy::kPlaceholder;
+  return kinds_[w]->ReleasesBlocks() && swa_policy_ == SwaReusePolicy::kPlaceholder;
 }
 
 bool KVCacheManager::StoreResumable() const {
   return swa_policy_ == SwaReusePolicy::kPlaceholder ||
-         std::none_of(windows_.begin(), windows_.end(), [](const auto& wm) { return wm->is_swa(); });
+         std::none_of(kinds_.begin(), kinds_.end(), [](const auto& k) { return k->ReleasesBlocks(); });
 }
 
 std::uint64_t KVCacheManager::ChainKey(const Sequence& seq, std::int32_t key_len, std::int32_t d,
@@ -413,15 +424,18 @@ std::int64_t KVCacheManager::StoreContextBlocks(const SeqId* ids, std::size_t n)
   BeginBatch(n);
   for (std::size_t i = 0; i < n; ++i) BatchMember(i, ids[i], "store_context_blocks");
   std::int64_t newly = 0;
-  for (const Sequence* seq : batch_) newly += StoreContext(*seq);
+  for (Sequence* seq : batch_) newly += StoreContext(*seq);
   return newly;
 }
 
-std::int32_t KVCacheManager::StoreContext(const Sequence& seq) {
+std::int32_t KVCacheManager::StoreContext(Sequence& seq) {
   if (!reuse_) return 0;
   if (!seq.valid_for_reuse && swa_policy_ == SwaReusePolicy::kInvalidate) return 0;
   // The prompt's last token is never a key; during chunked prefill, the chunks that ran so far.
-  return StoreChain(seq, std::min(seq.prompt_len - 1, seq.num_tokens), /*full_only=*/true, nullptr);
+  const std::int32_t key_len = std::min(seq.prompt_len - 1, seq.num_tokens);
+  const std::int32_t stored = StoreChain(seq, key_len, /*full_only=*/true, nullptr);
+  StoreCheckpoints(seq, key_len, /*all=*/false);
+  return stored;
 }
 
 std::map<WindowSize, std::vector<BlockId>> KVCacheManager::PinnedByWindow(
@@ -506,6 +520,7 @@ bool KVCacheManager::ResetPrefixCache() {
   // No sequence and no pin: every block is unreferenced, so every cached one is a free block in
   // its queue (or an unreferenced disk slot) and leaves the tree by the eviction's one door, Drop
   // (its cascade may unlink later ids first: each id is checked when reached).
+  for (auto& pool : states_) pool->DropAll();
   for (auto& wm : windows_) {
     for (BlockId b = 0; b < wm->num_blocks(); ++b) {
       KVC_DCHECK(wm->RefCount(b) == 0, "a referenced block without sequences or pins");

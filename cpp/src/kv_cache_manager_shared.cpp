@@ -40,7 +40,7 @@ void KVCacheManager::MakeSharedTier(const ManagerConfig& config, const std::vect
   if (config.shared_cache_timeout_ms < 1) {
     ThrowInvalid("shared_cache_timeout_ms must be >= 1, got ", config.shared_cache_timeout_ms);
   }
-  for (const WindowSize window : window_sizes_) shared_label_.push_back(window < max_seq_len_ ? window : 0);
+  for (const auto& kind : kinds_) shared_label_.push_back(kind->KeyLabel());
   std::string ns = config.shared_cache_namespace.empty() ? SharedFingerprint(pools) : config.shared_cache_namespace;
   shared_timeout_ms_ = config.shared_cache_timeout_ms;
   shared_ = std::make_unique<SharedTier>(address, std::move(ns), config.shared_cache_queue_bytes);
@@ -52,7 +52,7 @@ std::string KVCacheManager::SharedFingerprint(const std::vector<std::vector<Pool
   // window is labelled 0, so max_seq_len does not split the namespace.
   std::vector<std::int64_t> words{1, tpb_, kv_factor_, static_cast<std::int64_t>(pools.size())};
   for (std::size_t w = 0; w < pools.size(); ++w) {
-    words.push_back(window_sizes_[w] < max_seq_len_ ? window_sizes_[w] : 0);
+    words.push_back(kinds_[w]->KeyLabel());
     words.push_back(static_cast<std::int64_t>(pools[w].size()));
     for (const PoolLayout& pool : pools[w]) {
       words.insert(words.end(), {pool.num_kv_heads, pool.kv_factor, pool.head_dim, pool.elem_bytes,
@@ -89,7 +89,7 @@ std::vector<std::uint64_t> KVCacheManager::PromptHashes(const TokenId* tokens, c
 
 std::int32_t KVCacheManager::FrontAt(std::size_t w, std::int32_t h) const {
   // PromptBlocksNeeded's front for a reused prefix of h blocks.
-  return windows_[w]->is_swa() ? std::max(0, h * tpb_ - window_sizes_[w]) / tpb_ : 0;
+  return kinds_[w]->FirstNeededBlock(h, tpb_);
 }
 
 std::int32_t KVCacheManager::SharedServed(const std::vector<std::vector<char>>& avail, std::int32_t base,

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/attention_kind.h"
 #include "kvcache/block_key.h"
 #include "kvcache/block_math.h"
 #include "kvcache/events.h"
@@ -24,6 +25,7 @@
 #include "kvcache/sequence.h"
 #include "kvcache/shared_tier.h"
 #include "kvcache/slab_lender.h"
+#include "kvcache/state_pool.h"
 #include "kvcache/types.h"
 #include "kvcache/window_block_manager.h"
 
@@ -43,6 +45,10 @@ struct ModelSpec {
   std::vector<std::int32_t> head_dims;
   /// KV element type per layer (num_layers entries); empty: `dtype` for every layer.
   std::vector<DType> dtypes;
+  /// Recurrent layers (Mamba, Gated DeltaNet, short convolution), each with its state tensors;
+  /// layers with identical tensors form one state group with a pool of its own. Empty: none.
+  /// `num_layers` counts the attention layers only.
+  std::vector<std::vector<StateTensorSpec>> recurrent_layers;
 };
 
 /// Block counts of one window.
@@ -102,6 +108,11 @@ struct ManagerConfig {
   std::string shared_cache_namespace;
   std::int32_t shared_cache_timeout_ms = 5;  ///< Bound on one add_sequence's store lookups.
   std::size_t shared_cache_queue_bytes = std::size_t{64} << 20;  ///< Write queue bound (bytes).
+  /// Slots of each state group (recurrent layers): one working slot per registered sequence
+  /// (max_batch_size of them are always kept available) plus checkpoints. Required with
+  /// recurrent layers, > max_batch_size.
+  std::int32_t state_slots = 0;
+  CheckpointPolicy checkpoint_policy;
 };
 
 /// Counters and occupancy. Block counts are primary blocks summed over windows.
@@ -140,6 +151,54 @@ struct KvCacheStats {
   /// (copy-on-write, by AddTokens, Prefill and Rewind).
   std::int64_t forked_blocks = 0;
   std::int64_t copied_on_write_blocks = 0;
+  /// Recurrent state (summed over state groups): slots, and how many are working states,
+  /// checkpoints being written, cached checkpoints and free.
+  std::int64_t state_slots = 0;
+  std::int64_t working_state_slots = 0;
+  std::int64_t pending_checkpoints = 0;
+  std::int64_t cached_checkpoints = 0;
+  std::int64_t free_state_slots = 0;
+  /// Checkpoints stored in the reuse tree, hits resumed from one, checkpoints not taken (no
+  /// slot to spare, a prefill chunk straddled the position, or the chain was not stored) and
+  /// checkpoints evicted.
+  std::int64_t checkpoints_stored = 0;
+  std::int64_t checkpoints_restored = 0;
+  std::int64_t checkpoints_skipped = 0;
+  std::int64_t checkpoints_evicted = 0;
+  /// Why prompt tokens that the tree's keys matched were not reused (add_sequence, summed over
+  /// admissions): full-attention blocks evicted, a sliding window's blocks evicted, no state
+  /// checkpoint at the position (or none that could be held for the restore).
+  std::int64_t lost_hit_tokens_attention = 0;
+  std::int64_t lost_hit_tokens_sliding_window = 0;
+  std::int64_t lost_hit_tokens_no_checkpoint = 0;
+};
+
+/// One state group as an engine sees it: its layers, tensors and where its slots are.
+struct StateGroupInfo {
+  std::vector<std::int32_t> layers;  ///< Recurrent-layer indices.
+  std::vector<StateTensorSpec> tensors;
+  std::size_t slot_bytes = 0;
+  std::int32_t num_slots = 0;
+  std::uintptr_t ptr = 0;
+};
+
+/// Strided view of one state tensor of one recurrent layer over every slot:
+/// `[num_slots, *shape]`, strides in bytes.
+struct StateView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  BackendKind backend = BackendKind::kHost;
+};
+
+/// How far each kind of group could resume a prompt (tokens), from one lookup.
+struct ReusableByKind {
+  std::int32_t matched = 0;          ///< Prompt tokens whose keys the reuse tree holds.
+  std::int32_t full_attention = 0;   ///< ... with every full-attention block cached.
+  std::int32_t sliding_window = 0;   ///< ... and every sliding window's last window.
+  std::int32_t recurrent_state = 0;  ///< ... and a checkpoint of every state group there.
+  std::int32_t reused = 0;           ///< What add_sequence would reuse (partial block included).
 };
 
 /// Per-request reuse counters (summed over windows).
@@ -366,6 +425,32 @@ class KVCacheManager {
   std::int32_t CopyBlockOffsets(std::int32_t* out, std::int64_t rows, std::int64_t width,
                                 const SeqId* ids, std::size_t n, std::int64_t slot_offset) const;
 
+  // ---- Recurrent state (kv_cache_manager_state.cpp).
+  /// State groups, in order of their first layer.
+  std::vector<StateGroupInfo> state_groups() const;
+  std::size_t num_state_groups() const { return states_.size(); }
+  /// The working slot of `id` in state group `group`.
+  std::int32_t GetStateSlot(SeqId id, std::int32_t group) const;
+  /// Strided view of tensor `tensor` of recurrent layer `layer`; throws on the virtual backend.
+  StateView GetStateView(std::int32_t layer, std::int32_t tensor) const;
+  /// The checkpoint copies of the step about to run, for an engine that copies states itself:
+  /// each copies a sequence's working slot into a checkpoint slot, and must run after the
+  /// forward pass of this step (which ends the working state at the checkpoint position) and
+  /// before the next call that stores blocks (StoreContextBlocks, RemoveSequence). Forgets them
+  /// (a removed sequence's are dropped). Restores, forks and zeroing are done by the manager.
+  void TakeStateCopies(std::vector<StateCopy>* after);
+  /// The same copies made by the manager itself, on its backend (after the forward pass).
+  /// Returns how many.
+  std::int64_t SaveCheckpoints();
+  /// The largest chunk of at most `num_tokens` prompt tokens that registered sequence `id` may
+  /// prefill next without straddling a checkpoint it is to take (num_tokens without one).
+  std::int32_t GetChunkLimit(SeqId id, std::int32_t num_tokens) const;
+  /// The same for the first chunk (after its reused prefix) of a prompt not registered yet.
+  std::int32_t GetPromptChunkLimit(const PreparedPrompt& prompt, std::int32_t num_tokens) const;
+  /// How far each kind of group could resume this prompt now (no shared-tier probe).
+  ReusableByKind GetReusableByKind(const PreparedPrompt& prompt) const;
+  const CheckpointPolicy& checkpoint_policy() const { return checkpoint_policy_; }
+
   /// Strided view of layer `layer`'s primary memory; throws on the virtual backend.
   LayerView GetLayerView(std::int32_t layer) const;
 
@@ -473,6 +558,11 @@ class KVCacheManager {
     std::vector<char> partial_takeover;   // per window: take the block over instead of copying
     std::int32_t reused_tokens = 0;
     std::int32_t shared_blocks = 0;  // full blocks after full_blocks that the shared tier serves
+    // With state groups (else equal to full_blocks): blocks full attention serves, and with the
+    // sliding windows too; full_blocks is then where every state group has a checkpoint.
+    std::int32_t attention_blocks = 0;
+    std::int32_t full_attention_blocks = 0;
+    std::vector<SlotId> restore;  // per state group: the checkpoint at full_blocks (kNoSlot at 0)
   };
   struct WindowCounters {
     std::int64_t alloc_total = 0;
@@ -554,7 +644,7 @@ class KVCacheManager {
   /// sequences that had released a lent block out of window become invalid for reuse.
   void MoveSlabs();
   /// StoreContextBlocks of one sequence (the caller holds mu_).
-  std::int32_t StoreContext(const Sequence& seq);
+  std::int32_t StoreContext(Sequence& seq);
   /// Tokens with blocks after AddSequence of an `n`-token prompt with `reused` tokens reused.
   /// (`prefill`, when given, is >= 1: callers validate it first.)
   std::int32_t FirstChunkEnd(std::size_t n, std::int32_t reused, std::optional<std::int32_t> prefill) const;
@@ -740,7 +830,8 @@ class KVCacheManager {
   void MatchFullBlocks(const TokenId* tokens, std::int32_t num_full, const ReuseExtras& extras,
                        const PreparedPrompt* prepared, std::vector<NodeId>* path) const;
   /// The longest block-aligned prefix of `path` that every window can serve.
-  std::int32_t ServedPrefix(const std::vector<NodeId>& path) const;
+  /// `full_cut` (optional) receives the longest prefix full attention alone serves.
+  std::int32_t ServedPrefix(const std::vector<NodeId>& path, std::int32_t* full_cut = nullptr) const;
   /// ServedPrefix's second pass, when some sliding window lacks a block among path[0, full).
   std::int32_t ServedBySlidingWindows(const std::vector<NodeId>& path, std::int32_t full) const;
   /// A partial match of the block after plan->full_blocks (at most key_len tokens of keys in
@@ -798,6 +889,54 @@ class KVCacheManager {
   void Pin(std::size_t w, BlockId b);
   void Unpin(std::size_t w, BlockId b);
 
+  // ---- Recurrent state (kv_cache_manager_state.cpp).
+  /// Makes the state pools (after the tree, whose columns past the windows hold checkpoints).
+  void MakeStatePools(const ManagerConfig& config, std::vector<StateGroupLayout> groups);
+  /// PlanReuse's state step: the longest prefix of at most `served` blocks (which the windows
+  /// serve) that the windows serve and every state group has a checkpoint at, with room to hold
+  /// them for the restore; fills plan->restore.
+  std::int32_t StateServed(const std::vector<NodeId>& path, std::int32_t served, ReusePlan* plan) const;
+  /// Whether the sliding windows serve a prefix of `p` blocks of `path`.
+  bool SlidingWindowsServe(const std::vector<NodeId>& path, std::int32_t p) const;
+  /// Whether every state group can give `takes` more slots and still keep one for each of
+  /// `sequences_after` fewer than max_batch_size sequences.
+  bool StateSlack(std::int32_t takes, std::size_t sequences_after) const;
+  /// Admission: working slots, the restore (or zeroing) copy and the checkpoint plan, then the
+  /// first chunk's advance. Never fails (slots were checked).
+  void AdmitState(Sequence& seq, const ReusePlan& plan, std::int32_t first_end);
+  /// The one door of state progress: `seq` now has blocks for `to` tokens (was `from`), and the
+  /// step that computes them ends its working state there: takes the checkpoints due at `to`.
+  void AdvanceState(Sequence& seq, std::int32_t from, std::int32_t to);
+  /// Takes a pending checkpoint of every group at `position` (all or none) and queues its copy.
+  void TakeCheckpoint(Sequence& seq, std::int32_t position, bool rolling);
+  /// Links `seq`'s ready checkpoints at or below `stored_tokens` into the tree (StoreChain has
+  /// stored its blocks); `all`: frees every other pending one (the sequence ends).
+  void StoreCheckpoints(Sequence& seq, std::int32_t stored_tokens, bool all);
+  /// The end of `seq`: its working slots and pending checkpoints are freed, its queued copies dropped.
+  void ReleaseState(Sequence& seq);
+  /// A fork's child: its own working slots, copied from the parent's.
+  void ForkState(const Sequence& parent, Sequence& child);
+  /// The checkpoint plan of a prompt of `n` tokens that reuses `reused` tokens, matched
+  /// `attention_blocks` blocks in the windows.
+  void PlanCheckpoints(std::int32_t n, std::int32_t reused, std::int32_t attention_blocks,
+                       std::vector<std::int32_t>* out) const;
+  std::int32_t ChunkLimitOf(const std::vector<std::int32_t>& plan, std::int32_t from, std::int32_t num_tokens) const;
+  void CheckStateInvariants() const;
+  void DropQueuedCopies(SeqId id);
+  /// Rewind on a model with recurrent layers: the index of the ready checkpoint of `seq` at
+  /// `new_len` (-1 without state groups); throws std::invalid_argument when there is none.
+  std::int32_t RewindCheckpoint(const Sequence& seq, std::int32_t new_len) const;
+  /// Restores the working state from checkpoint `k` (RewindCheckpoint) and drops the later ones.
+  void RewindState(Sequence& seq, std::int32_t k);
+  /// An admission's lost-hit counters (why matched keys were not reused).
+  void CountLostHits(const ReusePlan& plan);
+  /// Copies slot `src` of state group `g` into `dst` (kNoSlot: zeroes `dst`) and waits.
+  void CopySlot(std::size_t g, SlotId src, SlotId dst);
+  /// The queued copies were made: their checkpoints are ready to be stored.
+  void MarkCopiesDone();
+  /// The tree node of `seq`'s first `depth` full blocks (`key_len` tokens keyed), or kNoNode.
+  NodeId NodeAtDepth(const Sequence& seq, std::int32_t key_len, std::int32_t depth) const;
+
   // ---- Invariants (kv_cache_manager_invariants.cpp).
   /// Checks one sequence's lengths and block lists, counting its references into *refs.
   void CheckSequence(SeqId id, const Sequence& seq, std::vector<std::vector<std::int32_t>>* refs) const;
@@ -815,6 +954,8 @@ class KVCacheManager {
   std::int32_t max_blocks_per_seq_;
   std::int32_t kv_factor_;
   std::vector<WindowSize> window_sizes_;
+  /// Per window: its attention kind, the one owner of its rules (made by MakeAttentionKind).
+  std::vector<std::unique_ptr<AttentionKind>> kinds_;
   std::unique_ptr<MemoryBackend> backend_;
   /// Slab lending (or none): declared before windows_, so its arena is freed after them.
   std::unique_ptr<SlabLender> lender_;
@@ -870,6 +1011,25 @@ class KVCacheManager {
   std::vector<std::int32_t> shared_label_;  // per window: its key label (the window, 0 for full attention)
   SharedFetch shared_fetch_;
   std::vector<unsigned char> shared_buffer_;  // a block's bytes on their way to the store
+  // Recurrent state (kv_cache_manager_state.cpp): one pool per state group.
+  std::vector<std::unique_ptr<StatePool>> states_;
+  CheckpointPolicy checkpoint_policy_;
+  struct QueuedCopy {
+    StateCopy copy;
+    SeqId seq = -1;
+  };
+  std::vector<QueuedCopy> queued_copies_;
+  struct StateCounters {
+    std::int64_t stored = 0;
+    std::int64_t restored = 0;
+    std::int64_t skipped = 0;
+    std::int64_t lost_attention = 0;
+    std::int64_t lost_sliding = 0;
+    std::int64_t lost_checkpoint = 0;
+  };
+  StateCounters state_counters_;
+  void* zeros_ptr_ = nullptr;  // zero-filled host memory of zeros_bytes_ (CopySlot's zeroing)
+  std::size_t zeros_bytes_ = 0;
   mutable std::mutex mu_;
 };
 

@@ -26,6 +26,22 @@ struct SequenceWindow {
   std::vector<std::pair<BlockId, std::uint32_t>> released;
 };
 
+/// A checkpoint a live sequence writes into `slot` of one state group: the state after its first
+/// `position` tokens. `ready` once the engine took the copy that writes it (TakeStateCopies);
+/// `rolling`: the finish policy's slot, moved to each block boundary the sequence decodes past.
+struct PendingCheckpoint {
+  std::int32_t position = 0;
+  std::int32_t slot = -1;
+  bool ready = false;
+  bool rolling = false;
+};
+
+/// A sequence's slots in one state group: its working state and the checkpoints it writes.
+struct SequenceState {
+  std::int32_t working = -1;
+  std::vector<PendingCheckpoint> pending;
+};
+
 /// Retention priority of the prompt tokens [start, end) (end < 0: to the end of the prompt).
 struct PriorityRange {
   std::int32_t start = 0;
@@ -66,6 +82,10 @@ struct Sequence {
     tokens.push_back(t);
   }
   std::vector<SequenceWindow> windows;  ///< One per window, ascending window order.
+  std::vector<SequenceState> states;    ///< One per recurrent state group (none without).
+  /// Prompt positions (multiples of tokens_per_block, ascending) where a checkpoint is still to
+  /// be taken: a prefill chunk ending there takes it, one straddling it skips it.
+  std::vector<std::int32_t> checkpoint_plan;
   std::uint64_t batch_stamp = 0;        ///< Duplicate detection inside one batch call.
   bool explicit_priority = false;       ///< Priority or ranges given: applied to reused blocks.
   std::vector<PriorityRange> priority_ranges;

@@ -1,0 +1,147 @@
+// The recurrent-state kind: one pool of fixed-size state slots per group of recurrent layers
+// (Mamba, Gated DeltaNet, short convolution), holding each live sequence's working state and the
+// checkpoints that prefix reuse resumes from.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kvcache/memory_backend.h"
+#include "kvcache/reuse_tree.h"
+#include "kvcache/types.h"
+
+namespace kvcache {
+
+using SlotId = std::int32_t;
+inline constexpr SlotId kNoSlot = -1;
+
+/// One state tensor of a recurrent layer, C-contiguous (e.g. conv `(channels, kernel - 1)`, SSM
+/// `(heads, head_dim, state)`).
+struct StateTensorSpec {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kFloat32;
+  std::size_t Bytes() const;
+  bool operator==(const StateTensorSpec& o) const { return shape == o.shape && dtype == o.dtype; }
+};
+
+/// Where recurrent checkpoints are taken (each costs one slot and one copy of the working state).
+struct CheckpointPolicy {
+  /// At the last block boundary before a prompt's last token (an identical or longer prompt hits).
+  bool prompt_end = true;
+  /// At every block boundary a decoding sequence reaches, in one slot per sequence that each
+  /// boundary overwrites; stored when the sequence ends (multi-turn chat resumes there). One
+  /// state copy per tokens_per_block decoded tokens per sequence.
+  bool finish = true;
+  /// At the end of the attention prefix a lookup matched past the deepest checkpoint there: the
+  /// next request that shares that prefix resumes from it (Marconi-style admission).
+  bool junction = true;
+  /// At the end of every prefill chunk that ends on a block boundary (vLLM's "align" mode).
+  bool chunk_end = false;
+  /// Every this many blocks of a prompt (0: off).
+  std::int32_t interval_blocks = 0;
+  /// Most checkpoints on one root-to-leaf path of a group (0: no cap); storing one more evicts
+  /// the shallowest, which saves the least recomputation.
+  std::int32_t max_per_path = 0;
+};
+
+/// A group of recurrent layers with identical state tensors, and its slot layout: a slot holds
+/// every layer of the group, layer after layer, each layer its tensors in order.
+struct StateGroupLayout {
+  std::vector<std::int32_t> layers;  ///< Recurrent-layer indices (0-based among recurrent layers).
+  std::vector<StateTensorSpec> tensors;
+  std::vector<std::size_t> tensor_offsets;  ///< Byte offset of each tensor inside one layer.
+  std::size_t layer_bytes = 0;
+  std::size_t slot_bytes = 0;
+};
+
+/// One copy of a whole slot an engine makes: `src` -> `dst` (src == kNoSlot: zero `dst`).
+struct StateCopy {
+  std::int32_t group = 0;
+  SlotId src = kNoSlot;
+  SlotId dst = kNoSlot;
+};
+
+/// The slots of one state group: free, working (a live sequence's state), pending (a checkpoint a
+/// live sequence is writing) or cached (a checkpoint in the reuse tree, evictable unless held).
+/// Cached checkpoints sit in column `column` of the reuse tree at the node whose tokens end at
+/// the checkpoint position; they leave by LRU within retention priority. Not thread-safe.
+class StatePool {
+ public:
+  StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, MemoryBackend* backend,
+            ReuseTree* tree, std::int32_t column);
+  ~StatePool();
+  StatePool(const StatePool&) = delete;
+  StatePool& operator=(const StatePool&) = delete;
+
+  const StateGroupLayout& layout() const { return layout_; }
+  std::int32_t num_slots() const { return static_cast<std::int32_t>(slots_.size()); }
+  std::int32_t column() const { return column_; }
+  void* memory() const { return memory_; }
+  /// Slots that can be taken now: free ones plus cached checkpoints that are not held.
+  std::int32_t NumAvailable() const { return static_cast<std::int32_t>(free_.size() + evictable_.size()); }
+  std::int32_t NumFree() const { return static_cast<std::int32_t>(free_.size()); }
+  std::int32_t NumCached() const { return num_cached_; }
+  std::int32_t NumWorking() const { return num_working_; }
+  std::int32_t NumPending() const { return num_pending_; }
+
+  /// Takes a slot (a free one, else evicts the least valuable unheld checkpoint) as a working
+  /// slot (`pending` false) or a pending checkpoint; kNoSlot when none is available.
+  SlotId Take(bool pending);
+  /// Returns a working or pending slot to the free list.
+  void Free(SlotId s);
+  /// The checkpoint cached at `node`, or kNoSlot.
+  SlotId CheckpointAt(NodeId node) const { return tree_->Block(node, column_); }
+  /// Turns pending slot `s` into the checkpoint of `node` (which has none), retained at
+  /// `priority`; with a per-path cap the shallowest checkpoint on the path beyond it is evicted.
+  void Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path);
+  /// A hit uses checkpoint `s`: it becomes the most recently used of its priority.
+  void Touch(SlotId s);
+  /// Holds (or lets go of) cached checkpoint `s` while a queued copy reads it: a held
+  /// checkpoint is not evicted.
+  void Hold(SlotId s);
+  void Unhold(SlotId s);
+  /// Evicts every unheld checkpoint (ResetPrefixCache). Returns how many.
+  std::int64_t DropAll();
+  std::int64_t evicted() const { return evicted_; }
+  /// Verifies the slot states against the free list, the LRU set and the tree.
+  void CheckInvariants(std::int64_t expected_working, std::int64_t expected_pending,
+                       std::int64_t expected_holds) const;
+
+ private:
+  enum class State : std::uint8_t { kFree, kWorking, kPending, kCached };
+  struct Slot {
+    State state = State::kFree;
+    NodeId node = kNoNode;
+    std::int32_t holds = 0;
+    int priority = kDefaultPriority;
+    std::uint64_t stamp = 0;
+  };
+  using Key = std::tuple<int, std::uint64_t, SlotId>;  // (priority, last use, slot): evicted first
+  Key KeyOf(SlotId s) const { return Key{slots_[s].priority, slots_[s].stamp, s}; }
+  void Evict(SlotId s);
+
+  StateGroupLayout layout_;
+  std::int32_t group_;
+  MemoryBackend* backend_;
+  ReuseTree* tree_;
+  std::int32_t column_;
+  void* memory_ = nullptr;
+  std::vector<Slot> slots_;
+  std::vector<SlotId> free_;
+  std::set<Key> evictable_;
+  std::uint64_t clock_ = 0;
+  std::int32_t num_cached_ = 0;
+  std::int32_t num_working_ = 0;
+  std::int32_t num_pending_ = 0;
+  std::int64_t evicted_ = 0;
+};
+
+/// Groups the recurrent layers by their state tensors (first appearance order) and lays out each
+/// group's slot. Throws std::invalid_argument on an empty tensor list or a non-positive dimension.
+std::vector<StateGroupLayout> PlanStateGroups(const std::vector<std::vector<StateTensorSpec>>& layers);
+
+}  // namespace kvcache
