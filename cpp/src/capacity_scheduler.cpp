@@ -62,8 +62,10 @@ std::int64_t CapacityScheduler::PlanChunks(const SeqId* running, std::size_t n, 
   for (std::size_t i = 0; i < n; ++i) {
     const std::int64_t rest = static_cast<std::int64_t>(prompt_len_[i]) - num_tokens_[i];
     if (rest <= 0) continue;
-    const std::int32_t size = ChunkFor(rest, left);
+    std::int32_t size = ChunkFor(rest, left);
     if (size <= 0) continue;
+    // A chunk ends where a recurrent checkpoint is to be taken, never straddles it.
+    if (manager_->num_state_groups() > 0) size = manager_->GetChunkLimit(running[i], size);
     plan->chunks.push_back(running[i]);
     plan->chunk_sizes.push_back(size);
     if (left >= 0) left -= size;
@@ -292,9 +294,12 @@ void CapacityScheduler::Admit(const AdmissionCandidate* candidates, std::size_t 
     std::vector<std::int64_t> need = manager_->GetPromptRemainingBlocks(
         *c.context, c.final_tokens, config_.chunk, admitted == 0, !guaranteed, &reusable);
     if (guaranteed) AddBeams(static_cast<std::int32_t>(context_len), c.final_tokens, c.beams, &need);
-    const std::int32_t size = config_.chunked_prefill ? ChunkFor(context_len - reusable, left)
-                                                      : static_cast<std::int32_t>(context_len);
+    std::int32_t size = config_.chunked_prefill ? ChunkFor(context_len - reusable, left)
+                                                : static_cast<std::int32_t>(context_len);
     if (size <= 0) break;
+    if (config_.chunked_prefill && manager_->num_state_groups() > 0) {
+      size = manager_->GetPromptChunkLimit(*c.context, size);  // ends at a checkpoint it is to take
+    }
     for (std::size_t w = 0; w < windows_.size(); ++w) wanted[w] = committed[w] + need[w];
     if (Fits(wanted)) {
       committed = wanted;

@@ -23,6 +23,7 @@ __all__: list[str] = [
     "OFFSET_SENTINEL",
     "OutOfBlocksError",
     "PreparedPrompt",
+    "StateBuffer",
     "blocks_to_run_alone",
     "cuda_available",
     "cuda_compiled",
@@ -137,6 +138,9 @@ class KVCacheManager:
         shared_cache_namespace: str = "",
         shared_cache_timeout_ms: typing.SupportsIndex = 5,
         shared_cache_queue_bytes: typing.SupportsIndex = 67108864,
+        recurrent_layers: typing.Any = [],
+        state_slots: typing.SupportsInt | typing.SupportsIndex = 0,
+        checkpoint_policy: typing.Any = None,
     ) -> None: ...
     def _add_generated(self, request_ids: typing.Any, generated: list, bases: list) -> int:
         """
@@ -272,6 +276,14 @@ class KVCacheManager:
         """
         Block ids per position (NULL_BLOCK where a sliding window released the block).
         """
+    def get_chunk_limit(
+        self,
+        request_id: typing.SupportsIndex,
+        num_tokens: typing.SupportsInt | typing.SupportsIndex,
+    ) -> int:
+        """
+        The largest next prefill chunk (<= num_tokens) that does not straddle a checkpoint to take.
+        """
     def get_family_remaining_blocks(
         self, request_ids: typing.Any, final_tokens: typing.SupportsIndex
     ) -> tuple | None:
@@ -301,6 +313,12 @@ class KVCacheManager:
     def get_num_used_blocks(self, window_size: typing.SupportsIndex) -> int:
         """
         Primary blocks of the window referenced by sequences or pins.
+        """
+    def get_prompt_chunk_limit(
+        self, prompt: PreparedPrompt, num_tokens: typing.SupportsInt | typing.SupportsIndex
+    ) -> int:
+        """
+        get_chunk_limit for the first chunk of a prepared prompt.
         """
     def get_prompt_remaining_blocks(
         self,
@@ -340,6 +358,10 @@ class KVCacheManager:
         """
         Per-request reuse counters, summed over windows.
         """
+    def get_reusable_by_kind(self, prompt: PreparedPrompt) -> dict:
+        """
+        How far each kind of group could resume a prepared prompt now: matched, full_attention, sliding_window, recurrent_state, reused (tokens).
+        """
     def get_sequence_step_needs(
         self,
         request_id: typing.SupportsIndex,
@@ -349,6 +371,20 @@ class KVCacheManager:
     ) -> list[int]:
         """
         Free blocks per window the next step of a registered sequence takes: num_tokens more tokens (a chunk in prefill, 0: the rest of the prompt; else the newest token plus drafts).
+        """
+    def get_state_slot(
+        self, request_id: typing.SupportsIndex, group: typing.SupportsInt | typing.SupportsIndex = 0
+    ) -> int:
+        """
+        The working state slot of a registered sequence.
+        """
+    def get_state_view(
+        self,
+        layer: typing.SupportsInt | typing.SupportsIndex,
+        tensor: typing.SupportsInt | typing.SupportsIndex,
+    ) -> typing.Any:
+        """
+        State tensor `tensor` of recurrent layer `layer` over every slot, [num_slots, *shape]: a numpy array on the host backend (bfloat16 as uint16 bits), a StateBuffer on CUDA.
         """
     def get_step_needs(
         self,
@@ -393,9 +429,21 @@ class KVCacheManager:
         """
         Drops the last num_tokens tokens, releasing blocks that become empty.
         """
+    def save_checkpoints(self) -> int:
+        """
+        Makes the checkpoint copies itself (after the forward pass); returns how many.
+        """
+    def state_groups(self) -> list:
+        """
+        One dict per state group (recurrent layers with identical state tensors): layers, tensors [(shape, dtype)], slot_bytes, num_slots, ptr.
+        """
     def store_context_blocks(self, request_id: typing.Any) -> int:
         """
         Stores the sequence's full prompt blocks for reuse now (a list: each sequence's); returns block positions newly stored.
+        """
+    def take_state_copies(self) -> list:
+        """
+        The checkpoint copies (group, src_slot, dst_slot) the engine makes after this step's forward pass (working state into checkpoint slot); forgets them.
         """
     def unpin_blocks_by_id(
         self, block_ids: typing.Any, window_size: typing.SupportsIndex | None = None
@@ -428,6 +476,8 @@ class KVCacheManager:
     def num_pools(self) -> int: ...
     @property
     def num_sequences(self) -> int: ...
+    @property
+    def num_state_groups(self) -> int: ...
     @property
     def pools(self) -> list:
         """
@@ -498,6 +548,24 @@ class CapacityScheduler:
     ]:
         """
         Plans one step: (generation, drafts, chunks, chunk sizes, admitted candidates, their first chunks, paused, rejected candidates), requests as indices into running or the candidates; generation and drafts are both None when every running request decodes, in order, without drafts. Paused requests are removed from the manager. families / candidate_families: beam family ids (< 0: none), a family decodes whole and is paused whole; beams / candidate_beams: beams still to fork from each request (guaranteed_no_evict charges their own blocks); waiting_families: families with a member waiting, which do not decode.
+        """
+
+class StateBuffer:
+    """
+    Strided view of one recurrent state tensor on device memory (__cuda_array_interface__ producer).
+    """
+    @property
+    def __cuda_array_interface__(self) -> dict: ...
+    @property
+    def data_ptr(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple: ...
+    @property
+    def strides(self) -> tuple:
+        """
+        Strides in bytes.
         """
 
 def _block_hashes(

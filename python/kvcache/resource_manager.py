@@ -142,6 +142,8 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
         self._reuse = bool(reuse)
+        # Recurrent state groups: the checkpoints a step ends at are copied after it ran.
+        self._states = int(getattr(manager, "num_state_groups", 0)) > 0
 
     @classmethod
     def from_blocks(
@@ -323,7 +325,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         """After the step: advances the context requests (``context_position``), drops
         rejected draft tokens (``request.rewind_len``) and, with block reuse on, stores the
         full blocks of every prompt chunk that ran for early reuse by other requests (one
-        ``store_context_blocks`` call for the batch).
+        ``store_context_blocks`` call for the batch). With recurrent state groups, first
+        copies every working state into the checkpoint its step ended at
+        (``save_checkpoints``).
 
         Raises:
             ValueError: A context request whose chunk ended its prompt got no generated
@@ -332,6 +336,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
             TypeError: ``batch`` is not a :class:`ScheduledBatch`.
         """
         _check_type("batch", batch, ScheduledBatch)
+        if self._states:
+            # The forward pass ended each working state where its step's checkpoints are taken.
+            self._manager.save_checkpoints()
         for request, _ in batch.context:
             if request.request_id in self._running:
                 self._check_context_step(request)
