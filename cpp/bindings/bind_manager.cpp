@@ -246,6 +246,7 @@ pybind11::dict EventToDict(const KVCacheEvent& e) {
   d["event_id"] = e.event_id;
   d["window_size"] = e.window_size;
   d["kind"] = EventKindName(e.kind);
+  if (e.state_group >= 0) d["state_group"] = e.state_group;
   switch (e.kind) {
     case EventKind::kCreated:
       d["num_blocks_per_cache_level"] = pybind11::make_tuple(e.num_primary_blocks, e.num_secondary_blocks);

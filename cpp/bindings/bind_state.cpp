@@ -170,6 +170,21 @@ void BindState(py::module_& m) {
 
   auto cls = py::reinterpret_borrow<py::class_<M>>(m.attr("KVCacheManager"));
   cls.def_property_readonly("num_state_groups", &M::num_state_groups)
+      .def_property_readonly(
+          "group_kinds",
+          [](const M& self) {
+            py::list out;
+            for (std::size_t w = 0; w < self.window_sizes().size(); ++w) {
+              const AttentionKind& k = self.window_kind(w);
+              out.append(py::make_tuple(k.name(), k.ReleasesBlocks() ? py::cast(k.window()) : py::none()));
+            }
+            for (std::size_t g = 0; g < self.num_state_groups(); ++g) {
+              out.append(py::make_tuple(GroupKindName(GroupKindId::kRecurrentState), py::none()));
+            }
+            return out;
+          },
+          "(kind, sliding window or None) of every group: the windows in window_sizes order "
+          "('full_attention', 'sliding_window'), then the state groups ('recurrent_state').")
       .def(
           "state_groups",
           [](const M& self) {

@@ -19,16 +19,17 @@ void EventLog::Push(KVCacheEvent event) {
   cv_.notify_all();
 }
 
-void EventLog::PushRemoved(WindowSize window, std::uint64_t hash) {
+void EventLog::PushRemoved(WindowSize window, std::uint64_t hash, std::int32_t state_group) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!events_.empty() && events_.back().kind == EventKind::kRemoved &&
-        events_.back().window_size == window) {
+    if (!events_.empty() && events_.back().kind == EventKind::kRemoved && events_.back().window_size == window &&
+        events_.back().state_group == state_group) {
       events_.back().hashes.push_back(hash);
     } else {
       KVCacheEvent e;
       e.kind = EventKind::kRemoved;
       e.window_size = window;
+      e.state_group = state_group;
       e.hashes.push_back(hash);
       PushLocked(std::move(e));
     }

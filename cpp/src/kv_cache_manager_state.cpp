@@ -46,7 +46,8 @@ void KVCacheManager::MakeStatePools(const ManagerConfig& config, std::vector<Sta
   const auto nw = static_cast<std::int32_t>(windows_.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     states_.push_back(std::make_unique<StatePool>(std::move(groups[g]), static_cast<std::int32_t>(g), config.state_slots,
-                                                  backend_.get(), tree_.get(), nw + static_cast<std::int32_t>(g)));
+                                                  backend_.get(), tree_.get(), nw + static_cast<std::int32_t>(g),
+                                                  events_.get()));
   }
 }
 
@@ -318,7 +319,7 @@ void KVCacheManager::StoreCheckpoints(Sequence& seq, std::int32_t key_len, bool 
       if (node == kNoNode) {
         pool.Free(slot);
       } else if (pool.CheckpointAt(node) == kNoSlot) {
-        pool.Cache(slot, node, seq.priority, checkpoint_policy_.max_per_path);
+        pool.Cache(slot, node, seq.priority, checkpoint_policy_.max_per_path, seq.extras.lora_task_id);
       } else {
         pool.Free(slot);  // another sequence stored this prefix's state first
         pool.Touch(pool.CheckpointAt(node));

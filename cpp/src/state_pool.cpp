@@ -47,8 +47,8 @@ std::vector<StateGroupLayout> PlanStateGroups(const std::vector<std::vector<Stat
 }
 
 StatePool::StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, MemoryBackend* backend,
-                     ReuseTree* tree, std::int32_t column)
-    : layout_(std::move(layout)), group_(group), backend_(backend), tree_(tree), column_(column) {
+                     ReuseTree* tree, std::int32_t column, EventLog* events)
+    : layout_(std::move(layout)), group_(group), backend_(backend), tree_(tree), column_(column), events_(events) {
   if (num_slots <= 0) ThrowInvalid("state group ", group, " needs at least one slot, got ", num_slots);
   const std::size_t bytes = layout_.slot_bytes * static_cast<std::size_t>(num_slots);
   if (backend_->HasMemory()) memory_ = backend_->Allocate(CacheLevel::kPrimary, bytes);
@@ -87,7 +87,8 @@ void StatePool::Free(SlotId s) {
   free_.push_back(s);
 }
 
-void StatePool::Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path) {
+void StatePool::Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path,
+                      std::optional<std::int64_t> lora_task_id) {
   Slot& slot = slots_[s];
   KVC_CHECK(slot.state == State::kPending && tree_->Block(node, column_) == kNullBlock, "caching a checkpoint twice");
   --num_pending_;
@@ -98,6 +99,20 @@ void StatePool::Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_
   slot.stamp = ++clock_;
   tree_->SetBlock(node, column_, s);
   evictable_.insert(KeyOf(s));
+  if (events_ != nullptr) {
+    KVCacheEvent e;
+    e.kind = EventKind::kStored;
+    e.state_group = group_;
+    const NodeId parent = tree_->Parent(node);
+    if (parent != ReuseTree::kRoot) e.parent_hash = tree_->Hash(parent);
+    StoredBlock b;
+    b.hash = tree_->Hash(node);
+    b.tokens.assign(tree_->Tokens(node), tree_->Tokens(node) + tree_->NumTokens(node));
+    b.lora_task_id = lora_task_id;
+    b.priority = priority;
+    e.blocks.push_back(std::move(b));
+    events_->Push(std::move(e));
+  }
   if (max_per_path <= 0) return;
   std::int32_t on_path = 0;
   SlotId shallowest = kNoSlot;
@@ -136,6 +151,7 @@ void StatePool::Evict(SlotId s) {
   KVC_CHECK(slot.state == State::kCached && slot.holds == 0, "evicting a checkpoint in use");
   evictable_.erase(KeyOf(s));
   const NodeId node = slot.node;
+  if (events_ != nullptr) events_->PushRemoved(0, tree_->Hash(node), group_);
   tree_->SetBlock(node, column_, kNullBlock);
   if (tree_->IsEmpty(node) && tree_->IsLeaf(node)) tree_->PruneUp(node);
   --num_cached_;

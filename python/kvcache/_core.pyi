@@ -456,6 +456,11 @@ class KVCacheManager:
     @property
     def blocks_per_window(self) -> dict[int, tuple[int, int]]: ...
     @property
+    def group_kinds(self) -> list:
+        """
+        (kind, sliding window or None) of every group: the windows in window_sizes order ('full_attention', 'sliding_window'), then the state groups ('recurrent_state').
+        """
+    @property
     def kv_factor(self) -> int: ...
     @property
     def layer_to_pool(self) -> list[tuple[int, int]]:

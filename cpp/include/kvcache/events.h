@@ -30,6 +30,9 @@ struct StoredBlock {
 struct KVCacheEvent {
   std::uint64_t event_id = 0;  ///< Monotonic over the manager's lifetime (gaps = dropped).
   WindowSize window_size = 0;
+  /// >= 0: the event is about the checkpoints of this state group (window_size is then 0); a
+  /// stored "block" is a checkpoint of the state after the chain ending at its hash.
+  std::int32_t state_group = -1;
   EventKind kind = EventKind::kCreated;
   // kCreated: blocks per cache level.
   std::int32_t num_primary_blocks = 0;
@@ -52,7 +55,7 @@ class EventLog {
   void Push(KVCacheEvent event);
   /// Records one removed block hash, merged into the previous event if that is a removal of
   /// the same window.
-  void PushRemoved(WindowSize window, std::uint64_t hash);
+  void PushRemoved(WindowSize window, std::uint64_t hash, std::int32_t state_group = -1);
   /// Takes every buffered event; waits up to `timeout_ms` for one if the buffer is empty (no
   /// wait for `timeout_ms <= 0`; a timeout too long for the clock waits until an event arrives).
   std::vector<KVCacheEvent> Take(std::int64_t timeout_ms);

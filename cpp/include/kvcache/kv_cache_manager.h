@@ -429,6 +429,8 @@ class KVCacheManager {
   /// State groups, in order of their first layer.
   std::vector<StateGroupInfo> state_groups() const;
   std::size_t num_state_groups() const { return states_.size(); }
+  /// The kind of window `w` (index into window_sizes()).
+  const AttentionKind& window_kind(std::size_t w) const { return *kinds_[w]; }
   /// The working slot of `id` in state group `group`.
   std::int32_t GetStateSlot(SeqId id, std::int32_t group) const;
   /// Strided view of tensor `tensor` of recurrent layer `layer`; throws on the virtual backend.

@@ -5,11 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "kvcache/events.h"
 #include "kvcache/memory_backend.h"
 #include "kvcache/reuse_tree.h"
 #include "kvcache/types.h"
@@ -71,8 +73,10 @@ struct StateCopy {
 /// the checkpoint position; they leave by LRU within retention priority. Not thread-safe.
 class StatePool {
  public:
+  /// `events` (may be null) receives a stored event per cached checkpoint and a removed event
+  /// per evicted one.
   StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, MemoryBackend* backend,
-            ReuseTree* tree, std::int32_t column);
+            ReuseTree* tree, std::int32_t column, EventLog* events);
   ~StatePool();
   StatePool(const StatePool&) = delete;
   StatePool& operator=(const StatePool&) = delete;
@@ -97,7 +101,8 @@ class StatePool {
   SlotId CheckpointAt(NodeId node) const { return tree_->Block(node, column_); }
   /// Turns pending slot `s` into the checkpoint of `node` (which has none), retained at
   /// `priority`; with a per-path cap the shallowest checkpoint on the path beyond it is evicted.
-  void Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path);
+  void Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path,
+             std::optional<std::int64_t> lora_task_id = std::nullopt);
   /// A hit uses checkpoint `s`: it becomes the most recently used of its priority.
   void Touch(SlotId s);
   /// Holds (or lets go of) cached checkpoint `s` while a queued copy reads it: a held
@@ -129,6 +134,7 @@ class StatePool {
   MemoryBackend* backend_;
   ReuseTree* tree_;
   std::int32_t column_;
+  EventLog* events_;
   void* memory_ = nullptr;
   std::vector<Slot> slots_;
   std::vector<SlotId> free_;
