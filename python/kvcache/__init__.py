@@ -15,7 +15,7 @@ from kvcache._core import (
     OutOfBlocksError,
     PreparedPrompt,
 )
-from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.config import KvCacheConfig, ModelConfig, StateTensor
 from kvcache.hashing import block_hashes
 from kvcache.manager import (
     NULL_BLOCK,
@@ -58,6 +58,7 @@ __all__ = [
     "PreparedPrompt",
     "Request",
     "ScheduledBatch",
+    "StateTensor",
     "__version__",
     "available_memory_bytes",
     "block_hashes",

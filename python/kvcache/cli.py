@@ -133,11 +133,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     env_var = env_source.removeprefix("environment variable ") if env_source != "default" else ""
     if env_var:
         n_windows = len(window_sizes(preset.model, preset.kv_cache_config(), max_seq_len))
-        if not isinstance(env_policy, str) and len(env_policy) != n_windows:
+        hybrid = preset.model.recurrent_layers > 0  # the state pool is one more share
+        if not isinstance(env_policy, str) and len(env_policy) != n_windows + hybrid:
+            state = " and a recurrent state pool (its share last)" if hybrid else ""
             raise ValueError(
                 f"{env_var} gives {len(env_policy)} share(s) but {preset.name} has "
-                f"{n_windows} window(s) at {max_seq_len:,} tokens; give one share per window "
-                "in ascending window order"
+                f"{n_windows} window(s) at {max_seq_len:,} tokens{state}; give one share per "
+                "window in ascending window order"
             )
         if env_policy not in policies:
             policies.append(env_policy)
@@ -187,8 +189,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     presets = [load_model(name) for name in list_models()]
     if args.json:
-        rows = [
-            {
+        rows = []
+        for p in presets:
+            row: dict[str, Any] = {
                 "name": p.name,
                 "model": p.model.to_dict(),
                 "max_attention_window": None
@@ -198,21 +201,31 @@ def _cmd_models(args: argparse.Namespace) -> int:
                 "description": p.description,
                 "source": p.source,
             }
-            for p in presets
-        ]
+            if p.model.recurrent_layers > 0:
+                row["layer_types"] = None if p.layer_types is None else list(p.layer_types)
+                row["state_bytes_per_sequence"] = p.model.state_bytes_per_sequence()
+            rows.append(row)
         print(json.dumps(rows, indent=2))
         return 0
+    width = max([16, *(len(p.name) for p in presets)])
     print(
-        f"{'name':<16} {'layers':>6} {'kv heads':>8} {'head dim':>8} {'dtype':<9} "
+        f"{'name':<{width}} {'layers':>6} {'kv heads':>8} {'head dim':>8} {'dtype':<9} "
         f"{'context':>8} {'KV B/token':>11}  windows"
     )
     for p in presets:
         m = p.model
         per_token = sum(m.bytes_per_token_per_layer())
+        windows = p.window_pattern_text()
+        if m.recurrent_layers > 0:
+            # Hybrid: ``layers`` counts the attention layers; the state is per sequence.
+            windows += (
+                f"; {m.recurrent_layers} recurrent layers, "
+                f"{m.state_bytes_per_sequence():,} state B/seq"
+            )
         print(
-            f"{p.name:<16} {m.num_layers:>6} {_joined(m.kv_heads_per_layer()):>8} "
+            f"{p.name:<{width}} {m.num_layers:>6} {_joined(m.kv_heads_per_layer()):>8} "
             f"{_joined(m.head_dim_per_layer()):>8} {_joined(m.dtype_per_layer()):<9} "
-            f"{p.max_context:>8,} {per_token:>11,}  {p.window_pattern_text()}"
+            f"{p.max_context:>8,} {per_token:>11,}  {windows}"
         )
     return 0
 

@@ -28,6 +28,7 @@ from typing import Any, TypeGuard
 
 __all__ = [
     "BACKENDS",
+    "CHECKPOINT_KINDS",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DTYPE_BYTES",
     "SHARE_POLICIES",
@@ -35,6 +36,7 @@ __all__ = [
     "WINDOW_KINDS",
     "KvCacheConfig",
     "ModelConfig",
+    "StateTensor",
 ]
 
 #: Bytes per element of each supported KV cache dtype.
@@ -57,6 +59,12 @@ WINDOW_KINDS: tuple[str, ...] = ("full", "sliding")
 
 #: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
 SHARE_POLICIES: tuple[str, ...] = ("equal", "proportional", "auto")
+
+#: Where recurrent-state checkpoints may be taken (``KvCacheConfig.recurrent_checkpoints``).
+CHECKPOINT_KINDS: tuple[str, ...] = ("prompt_end", "finish", "junction", "chunk_end")
+
+# Most dimensions of one recurrent state tensor (``StateTensor.shape``).
+_MAX_STATE_DIMS = 4
 
 #: Default token budget of one engine step (``KvCacheConfig.max_num_batched_tokens``): vLLM's.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -164,6 +172,106 @@ def _to_plain(value: object) -> object:
 
 
 # --------------------------------------------------------------------------------------
+# StateTensor
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One state tensor of a recurrent layer (Mamba, Gated DeltaNet, short convolution).
+
+    A recurrent layer keeps a fixed-size state per sequence instead of per-token KV: a
+    convolution window and an SSM / delta-rule state. Each is one C-contiguous tensor.
+
+    Args:
+        name: What the tensor is, e.g. ``"conv"`` or ``"ssm"`` (non-empty).
+        shape: Its shape for one sequence: 1 to 4 positive ints (stored as a tuple).
+        dtype: Element type, one of ``float32``, ``float16``, ``bfloat16``, ``fp8``, ``int8``.
+
+    Raises:
+        ValueError: A field has the wrong type or is out of range; the message names it.
+
+    Example:
+        Qwen3.5-9B's Gated DeltaNet: a convolution over ``2 * 16 * 128 + 32 * 128 = 8192``
+        channels keeping ``4 - 1`` inputs, and a ``32 x 128 x 128`` float32 delta-rule state.
+
+        >>> conv = StateTensor("conv", (8192, 3), "bfloat16")
+        >>> rec = StateTensor("recurrent", [32, 128, 128], "float32")
+        >>> conv.nbytes, rec.nbytes, rec.shape
+        (49152, 2097152, (32, 128, 128))
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"StateTensor.name must be a non-empty str, got {self.name!r}")
+        items = _sequence(f"StateTensor {self.name!r} shape", self.shape)
+        if not 1 <= len(items) <= _MAX_STATE_DIMS:
+            raise ValueError(
+                f"StateTensor {self.name!r} shape must have 1 to {_MAX_STATE_DIMS} dimensions, "
+                f"got {len(items)}"
+            )
+        shape = tuple(
+            _positive_int32(f"StateTensor {self.name!r} shape[{i}]", _as_int(d))
+            for i, d in enumerate(items)
+        )
+        object.__setattr__(self, "shape", shape)
+        _choice(f"StateTensor {self.name!r} dtype", self.dtype, tuple(DTYPE_BYTES))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor for one sequence: the product of ``shape`` times the dtype's."""
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StateTensor:
+        """Builds a tensor from ``{"name", "shape", "dtype"}``; other keys raise ``ValueError``.
+
+        Example:
+            >>> StateTensor.from_dict({"name": "conv", "shape": [6144, 3], "dtype": "bfloat16"})
+            StateTensor(name='conv', shape=(6144, 3), dtype='bfloat16')
+        """
+        known = _field_names(cls)
+        _unknown_keys(cls.__name__, d, known)
+        missing = [k for k in known if k not in d]
+        if missing:
+            raise ValueError(f"StateTensor needs {', '.join(missing)}; got {dict(d)!r}")
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (the shape as a list); ``from_dict(to_dict())`` round-trips."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+def _check_recurrent_state(value: object) -> tuple[StateTensor, ...]:
+    """``StateTensor`` items or ``{"name", "shape", "dtype"}`` mappings, as a tuple."""
+    name = "recurrent_state"
+    items = _sequence(name, value)
+    out: list[StateTensor] = []
+    for i, item in enumerate(items):
+        if isinstance(item, StateTensor):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            try:
+                out.append(StateTensor.from_dict(item))
+            except ValueError as e:
+                raise ValueError(f"{name}[{i}]: {e}") from None
+        else:
+            raise ValueError(
+                f"{name}[{i}] must be a StateTensor or a mapping with name, shape and dtype, "
+                f"got {item!r}"
+            )
+    names = [t.name for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{name} names {', '.join(map(repr, twice))} more than once")
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------
 # ModelConfig
 # --------------------------------------------------------------------------------------
 
@@ -184,6 +292,14 @@ class ModelConfig:
             ``int8``; one name, or one entry per layer. ``KvCacheConfig.kv_cache_dtype``
             overrides it.
         kv_factor: 2 when keys and values are both cached, 1 for K-only caches (MLA).
+        recurrent_layers: Number of recurrent layers (Mamba, Gated DeltaNet, short
+            convolution; >= 0, default 0). They hold a fixed-size state per sequence instead
+            of KV; ``num_layers`` counts the attention layers only. Needs ``recurrent_state``.
+        recurrent_state: The state tensors of one recurrent layer, in order
+            (:class:`StateTensor` items or ``{"name", "shape", "dtype"}`` mappings, stored as a
+            tuple of ``StateTensor``); every recurrent layer has the same. Empty (the default)
+            exactly when ``recurrent_layers`` is 0. The repr and ``to_dict`` leave both out
+            for attention-only models.
 
     Raises:
         ValueError: A field has the wrong type or is out of range; the message names it.
@@ -198,6 +314,15 @@ class ModelConfig:
         ...                 dtype=["bfloat16", "fp8"])
         >>> m.bytes_per_token_per_layer()
         [1024, 1024]
+
+        A hybrid model, Qwen3.5-9B: 8 full-attention layers and 24 Gated DeltaNet layers.
+
+        >>> m = ModelConfig(num_layers=8, num_kv_heads=4, head_dim=256, dtype="bfloat16",
+        ...                 recurrent_layers=24, recurrent_state=[
+        ...                     {"name": "conv", "shape": [8192, 3], "dtype": "bfloat16"},
+        ...                     {"name": "recurrent", "shape": [32, 128, 128], "dtype": "float32"}])
+        >>> m.state_bytes_per_layer(), m.state_bytes_per_sequence()
+        (2146304, 51511296)
     """
 
     num_layers: int
@@ -205,9 +330,29 @@ class ModelConfig:
     head_dim: int | Sequence[int]
     dtype: str | Sequence[str] = "float16"
     kv_factor: int = 2
+    recurrent_layers: int = 0
+    recurrent_state: Sequence[StateTensor] = ()
 
     def __post_init__(self) -> None:
         num_layers = _positive_int32("num_layers", self.num_layers)
+        recurrent = _as_int(self.recurrent_layers)
+        if not _is_int(recurrent) or not 0 <= recurrent <= _INT32_MAX:
+            raise ValueError(
+                f"recurrent_layers must be an int in [0, {_INT32_MAX}], got {recurrent!r}"
+            )
+        object.__setattr__(self, "recurrent_layers", int(recurrent))
+        state = _check_recurrent_state(self.recurrent_state)
+        object.__setattr__(self, "recurrent_state", state)
+        if recurrent > 0 and not state:
+            raise ValueError(
+                f"recurrent_layers = {recurrent} needs recurrent_state: the state tensors of "
+                "one recurrent layer (e.g. conv and ssm)"
+            )
+        if recurrent == 0 and state:
+            raise ValueError(
+                f"recurrent_state has {len(state)} tensor(s) but recurrent_layers is 0; give "
+                "the number of recurrent layers, or no recurrent_state"
+            )
         if not _is_int(self.kv_factor) or self.kv_factor not in (1, 2):
             raise ValueError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}")
         for name in ("num_kv_heads", "head_dim"):
@@ -229,6 +374,32 @@ class ModelConfig:
                 _choice(f"dtype[{i}]", d, tuple(DTYPE_BYTES)) for i, d in enumerate(items)
             )
             object.__setattr__(self, "dtype", names)
+
+    def __repr__(self) -> str:
+        names = [f.name for f in dataclasses.fields(self)]
+        if self.recurrent_layers == 0:
+            names = [n for n in names if n not in _RECURRENT_FIELDS]
+        inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
+        return f"{type(self).__name__}({inner})"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when the model has recurrent layers besides its attention layers."""
+        return self.recurrent_layers > 0
+
+    def state_bytes_per_layer(self) -> int:
+        """Bytes of one recurrent layer's state for one sequence (0 without recurrent layers).
+
+        Example:
+            >>> ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8).state_bytes_per_layer()
+            0
+        """
+        return sum(t.nbytes for t in self.recurrent_state)
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of the recurrent state of one sequence over every recurrent layer: one state
+        slot, ``recurrent_layers * state_bytes_per_layer()``."""
+        return self.recurrent_layers * self.state_bytes_per_layer()
 
     @property
     def dtype_bytes(self) -> int:
@@ -319,8 +490,24 @@ class ModelConfig:
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
-        return {f.name: _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips.
+
+        The recurrent fields appear only for models with recurrent layers, the state tensors
+        as ``{"name", "shape", "dtype"}`` dicts.
+        """
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in _RECURRENT_FIELDS and self.recurrent_layers == 0:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "recurrent_state":
+                out[f.name] = [t.to_dict() for t in value]
+            else:
+                out[f.name] = _to_plain(value)
+        return out
+
+
+_RECURRENT_FIELDS = ("recurrent_layers", "recurrent_state")
 
 
 def _per_layer(name: str, value: object, num_layers: int, what: str) -> Sequence[object]:
@@ -498,6 +685,25 @@ class KvCacheConfig:
             ``"auto"``, one number per window in ascending window order, or the same as
             comma-separated text. ``None`` defers to the environment (see
             :func:`kvcache.sizing.window_size_shares`). Number lists are stored as tuples.
+            For a model with recurrent layers the recurrent state pool is one more entry,
+            after the windows (see :func:`kvcache.sizing.pool_shares`).
+        state_slots: Slots of the recurrent state pool of each recurrent layer group (models
+            with recurrent layers only): one working slot per running sequence plus the
+            checkpoints that prefix reuse resumes from; more than the manager's
+            ``max_batch_size``. The pool's bytes are then taken from the budget first and the
+            windows divide the rest. ``None`` (default): sized from the state pool's share of
+            the budget (:func:`kvcache.sizing.state_slots`).
+        recurrent_checkpoints: Where state checkpoints are taken, any of ``"prompt_end"``
+            (the last block boundary before a prompt's last token), ``"finish"`` (the last
+            block boundary a sequence reached, stored when it ends), ``"junction"`` (the end
+            of a prefix that a lookup matched past the deepest checkpoint there) and
+            ``"chunk_end"`` (the end of every prefill chunk that ends on a block boundary);
+            default the first three. A sequence or comma-separated text, stored as a tuple in
+            that order.
+        recurrent_checkpoint_interval: Also checkpoint a prompt every this many blocks
+            (>= 0; 0, the default, turns it off).
+        max_checkpoints_per_path: Most checkpoints on one path of the reuse tree (>= 0; 0,
+            the default: no cap); storing one more evicts the shallowest.
         event_buffer_max_size: Events kept for ``get_latest_events`` (0 disables events).
         swa_reuse_policy: ``"placeholder"`` (default: a reclaimed out-of-window block leaves
             a placeholder and the rest of the chain stays reusable) or ``"invalidate"``.
@@ -565,9 +771,23 @@ class KvCacheConfig:
     shared_cache_namespace: str | None = None
     shared_cache_timeout_ms: int = 5
     shared_cache_queue_bytes: int = 64 << 20
+    state_slots: int | None = None
+    recurrent_checkpoints: Sequence[str] = ("prompt_end", "finish", "junction")
+    recurrent_checkpoint_interval: int = 0
+    max_checkpoints_per_path: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
+        slots = self.state_slots
+        if slots is not None:
+            _positive_int32("state_slots", slots)
+        object.__setattr__(
+            self, "recurrent_checkpoints", _check_checkpoints(self.recurrent_checkpoints)
+        )
+        for name in ("recurrent_checkpoint_interval", "max_checkpoints_per_path"):
+            n = _non_negative_int(name, getattr(self, name))
+            if n > _INT32_MAX:
+                raise ValueError(f"{name} = {n} is out of range [0, {_INT32_MAX}]")
         object.__setattr__(
             self, "max_attention_window", _check_window_pattern(self.max_attention_window)
         )
@@ -732,8 +952,33 @@ class KvCacheConfig:
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
-        return {name: _to_plain(getattr(self, name)) for name in _field_names(type(self))}
+        """Plain-dict form (lists, not tuples); ``from_dict(to_dict())`` round-trips.
+
+        The recurrent-state fields (``state_slots``, ``recurrent_checkpoints``,
+        ``recurrent_checkpoint_interval``, ``max_checkpoints_per_path``) appear only where
+        they differ from their defaults, so configs that do not use them read as before.
+        """
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _STATE_POOL_FIELDS and value == f.default:
+                continue
+            out[f.name] = _to_plain(value)
+        return out
+
+    def checkpoint_policy(self) -> dict[str, bool | int]:
+        """The checkpoint fields as the native core's ``checkpoint_policy`` argument.
+
+        Example:
+            >>> p = KvCacheConfig(recurrent_checkpoints="finish, chunk_end",
+            ...                   max_checkpoints_per_path=4).checkpoint_policy()
+            >>> [p[k] for k in ("prompt_end", "finish", "chunk_end", "interval_blocks")]
+            [False, True, True, 0]
+        """
+        out: dict[str, bool | int] = {k: k in self.recurrent_checkpoints for k in CHECKPOINT_KINDS}
+        out["interval_blocks"] = self.recurrent_checkpoint_interval
+        out["max_per_path"] = self.max_checkpoints_per_path
+        return out
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> KvCacheConfig:
@@ -783,6 +1028,30 @@ class KvCacheConfig:
             return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{str(p)!r}: {e}") from None
+
+
+_STATE_POOL_FIELDS = (
+    "state_slots",
+    "recurrent_checkpoints",
+    "recurrent_checkpoint_interval",
+    "max_checkpoints_per_path",
+)
+
+
+def _check_checkpoints(value: object) -> tuple[str, ...]:
+    """Checkpoint kinds from a sequence or comma-separated text, in CHECKPOINT_KINDS order."""
+    name = "recurrent_checkpoints"
+    if isinstance(value, str):
+        items: Sequence[object] = [p.strip() for p in value.split(",") if p.strip()]
+    else:
+        items = _sequence(name, value)
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        kind = _choice(f"{name}[{i}]", item, CHECKPOINT_KINDS)
+        if kind in seen:
+            raise ValueError(f"{name} names {kind!r} twice")
+        seen.add(kind)
+    return tuple(k for k in CHECKPOINT_KINDS if k in seen)
 
 
 def _hashable(value: object) -> object:

@@ -46,8 +46,10 @@ tokens, ``block_size`` tokens each (only full blocks are published: a partly fil
 of a sequence cannot be matched by a router); ``lora_id`` the LoRA task id, ``lora_name`` its
 name from the publisher's ``lora_names`` (else ``None``); ``medium`` ``"GPU"`` (primary pool),
 ``"CPU"`` (host offload pool) or ``"DISK"`` (the disk tier); ``group_idx`` the window's index in
-``manager.window_sizes``; ``kv_cache_spec_kind`` ``"full_attention"`` or ``"sliding_window"``
-with ``kv_cache_spec_sliding_window`` the window in tokens. ``extra_keys``, ``locality``,
+``manager.window_sizes``, then one per recurrent state group; ``kv_cache_spec_kind``
+``"full_attention"``, ``"sliding_window"`` (with ``kv_cache_spec_sliding_window`` the window
+in tokens) or, for a state group's checkpoints, ``"mamba"`` (a stored "block" is then a
+checkpoint of the recurrent state after the chain ending at its hash). ``extra_keys``, ``locality``,
 ``ownership`` and ``session_id`` are never set (so never sent in the map form).
 
 A block moving between media (offload to host, onboard back to the primary pool) is a
@@ -343,8 +345,21 @@ class EventBatcher:
         self._dp_rank = data_parallel_rank
         windows = [int(w) for w in manager.window_sizes]
         max_seq_len = int(manager.max_seq_len)
+        # Keyed by window size, and by -(g + 1) for state group g (its checkpoints): the group
+        # index (windows first, then state groups), the spec kind and the sliding window.
         self._group = {w: i for i, w in enumerate(windows)}
-        self._sliding = {w: w < max_seq_len for w in windows}
+        kinds = getattr(manager, "group_kinds", None)  # the core's kinds (a fake manager: none)
+        if kinds is None:
+            kinds = [
+                ("sliding_window", w) if w < max_seq_len else ("full_attention", None)
+                for w in windows
+            ]
+        self._spec: dict[int, tuple[str, int | None]] = dict(
+            zip(windows, kinds[: len(windows)], strict=True)
+        )
+        for g, _ in enumerate(kinds[len(windows) :]):
+            self._group[-(g + 1)] = len(windows) + g
+            self._spec[-(g + 1)] = ("mamba", None)  # vLLM's KVCacheSpecKind for recurrent state
         self._block_size = int(manager.tokens_per_block)
         self._cached: dict[tuple[int, int], _Cached] = {}
         self._next_event_id: int | None = None
@@ -383,25 +398,26 @@ class EventBatcher:
             out.append(self._schema.AllBlocksCleared())
         for e in events:
             self._next_event_id = e.event_id + 1
+            key = _group_key(e)
             if e.kind == "stored":
-                self._on_stored(e, out)
+                self._on_stored(e, key, out)
             elif e.kind == "removed":
                 for h in e.data["block_hashes"]:
-                    cached = self._cached.pop((e.window_size, int(h)), None)
+                    cached = self._cached.pop((key, int(h)), None)
                     if cached is not None:
-                        self._removed(out, e.window_size, int(h), cached.medium)
+                        self._removed(out, key, int(h), cached.medium)
             elif e.kind == "updated" and e.data.get("cache_level") is not None:
                 h = int(e.data["block_hash"])
-                cached = self._cached.get((e.window_size, h))
+                cached = self._cached.get((key, h))
                 new_medium = _MEDIA[int(e.data["cache_level"][1])]
                 if cached is None or cached.medium == new_medium:
                     continue
-                self._removed(out, e.window_size, h, cached.medium)
+                self._removed(out, key, h, cached.medium)
                 cached.medium = new_medium
-                self._stored(out, e.window_size, cached.parent, h, cached, new_medium)
+                self._stored(out, key, cached.parent, h, cached, new_medium)
         return out
 
-    def _on_stored(self, e: KVCacheEvent, out: list[Any]) -> None:
+    def _on_stored(self, e: KVCacheEvent, key: int, out: list[Any]) -> None:
         parent = e.data["parent_hash"]
         parent = None if parent is None else int(parent)
         for b in e.data["blocks"]:
@@ -415,8 +431,8 @@ class EventBatcher:
             if medium != MEDIUM_SHARED_STORAGE:
                 # The store's copy is never removed or moved: the manager's removed and
                 # updated events of (window, hash) are about its own copy.
-                self._cached[(e.window_size, h)] = cached
-            self._stored(out, e.window_size, parent, h, cached, medium)
+                self._cached[(key, h)] = cached
+            self._stored(out, key, parent, h, cached, medium)
             parent = h
 
     def _stored(
@@ -440,7 +456,7 @@ class EventBatcher:
             last.block_hashes.append(h)
             last.token_ids.extend(block.tokens)
             return
-        sliding = self._sliding[window]
+        kind, sliding = self._spec[window]
         out.append(
             self._schema.BlockStored(
                 block_hashes=[h],
@@ -452,8 +468,8 @@ class EventBatcher:
                 lora_name=None if block.lora_id is None else self._lora_names.get(block.lora_id),
                 extra_keys=None,
                 group_idx=group,
-                kv_cache_spec_kind="sliding_window" if sliding else "full_attention",
-                kv_cache_spec_sliding_window=window if sliding else None,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=sliding,
             )
         )
 
@@ -468,6 +484,12 @@ class EventBatcher:
             last.block_hashes.append(h)
             return
         out.append(self._schema.BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
+
+
+def _group_key(e: KVCacheEvent) -> int:
+    """The key of an event's group: its window size, or -(g + 1) for state group g."""
+    g = e.data.get("state_group")
+    return e.window_size if g is None else -(int(g) + 1)
 
 
 class ZmqEventPublisher(EventBatcher):

@@ -18,6 +18,7 @@ from typing import Any
 from kvcache import _core
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.sizing import blocks_per_window as _blocks_per_window
+from kvcache.sizing import state_slots as _state_slots
 from kvcache.sizing import window_sizes as _window_sizes
 
 __all__ = [
@@ -110,6 +111,15 @@ class KvCacheStats:
     ``shared_write_drops`` blocks not written because the write queue was full, and
     ``shared_errors`` lookups or write batches that failed or timed out plus fetched blocks
     that did not verify (each a miss).
+    Recurrent state (summed over state groups; 0 without recurrent layers): ``state_slots``,
+    of which ``working_state_slots`` (one per registered sequence), ``pending_checkpoints``
+    (being written), ``cached_checkpoints`` and ``free_state_slots``;
+    ``checkpoints_stored`` / ``_restored`` (hits resumed from one) / ``_skipped`` (not taken:
+    no slot to spare, a chunk straddled the position, or the chain was not stored) /
+    ``_evicted``. Why matched prompt tokens were not reused, summed over admissions:
+    ``lost_hit_tokens_attention`` (full-attention blocks evicted),
+    ``lost_hit_tokens_sliding_window`` (a sliding window's blocks evicted) and
+    ``lost_hit_tokens_no_checkpoint`` (no state checkpoint at the position).
     """
 
     max_num_blocks: int
@@ -137,6 +147,18 @@ class KvCacheStats:
     num_owned_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     forked_blocks: int = 0
     copied_on_write_blocks: int = 0
+    state_slots: int = 0
+    working_state_slots: int = 0
+    pending_checkpoints: int = 0
+    cached_checkpoints: int = 0
+    free_state_slots: int = 0
+    checkpoints_stored: int = 0
+    checkpoints_restored: int = 0
+    checkpoints_skipped: int = 0
+    checkpoints_evicted: int = 0
+    lost_hit_tokens_attention: int = 0
+    lost_hit_tokens_sliding_window: int = 0
+    lost_hit_tokens_no_checkpoint: int = 0
 
     @property
     def cache_hit_rate_per_window_size(self) -> dict[int, float]:
@@ -231,7 +253,11 @@ def _native_kwargs(
     max_seq_len: int,
     max_batch_size: int,
     max_draft_tokens: int,
+    state_slots: int = 0,
 ) -> dict[str, Any]:
+    """The native constructor's keyword arguments. The recurrent-state ones
+    (``recurrent_layers``, ``state_slots``, ``checkpoint_policy``) are passed only for a model
+    with recurrent layers: one ``[(shape, dtype), ...]`` list per recurrent layer."""
     _check_types(model, config)
     for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -264,6 +290,18 @@ def _native_kwargs(
     pattern = config.max_attention_window
     head_dims = model.head_dim_per_layer()
     dtypes = config.kv_dtype_per_layer(model, max_seq_len)
+    state: dict[str, Any] = {}
+    if model.recurrent_layers > 0:
+        if isinstance(state_slots, bool) or not isinstance(state_slots, int):
+            raise ValueError(f"state_slots must be an int, got {state_slots!r}")
+        state = {
+            "recurrent_layers": [
+                [(list(t.shape), t.dtype) for t in model.recurrent_state]
+                for _ in range(model.recurrent_layers)
+            ],
+            "state_slots": state_slots,
+            "checkpoint_policy": config.checkpoint_policy(),
+        }
     return {
         "num_layers": model.num_layers,
         "num_kv_heads": model.kv_heads_per_layer(),
@@ -294,6 +332,7 @@ def _native_kwargs(
         "shared_cache_namespace": config.shared_cache_namespace or "",
         "shared_cache_timeout_ms": config.shared_cache_timeout_ms,
         "shared_cache_queue_bytes": config.shared_cache_queue_bytes,
+        **state,
     }
 
 
@@ -351,7 +390,10 @@ class KVCacheManager(_core.KVCacheManager):
         The primary budget is ``primary_bytes`` if given, else ``config.max_gpu_total_bytes``,
         else free device memory (free host memory on the host backend) times
         ``config.free_gpu_memory_fraction``; the secondary budget is ``config.host_cache_size``.
-        Blocks per window follow from :func:`kvcache.sizing.blocks_per_window`.
+        Blocks per window follow from :func:`kvcache.sizing.blocks_per_window`; for a model
+        with recurrent layers the state pool's slots from :func:`kvcache.sizing.state_slots`
+        (``config.state_slots`` when set), its share of the primary budget left out of the
+        windows'.
 
         Args:
             model: Shape of the model's KV cache.
@@ -368,9 +410,9 @@ class KVCacheManager(_core.KVCacheManager):
                 (``torch`` is never imported).
 
         Raises:
-            ValueError: Bad arguments, or a budget too small for one block per window (on
-                every rank of ``process_group`` when one rank's is), or ranks whose windows
-                differ.
+            ValueError: Bad arguments, or a budget too small for one block per window or
+                for ``max_batch_size + 1`` state slots (on every rank of ``process_group``
+                when one rank's is), or ranks whose windows differ.
             KVCacheError: The pools could not be allocated.
             RuntimeError: This manager is already initialized; nothing was changed.
             TypeError: ``model`` is not a :class:`ModelConfig` or ``config`` not a
@@ -409,7 +451,20 @@ class KVCacheManager(_core.KVCacheManager):
             # The disk budget splits over the windows like the host budget.
             disk = split(config.disk_cache_size)
             sized = {w: (p, s, disk[w][1]) for w, (p, s) in blocks.items()}
-        self._init(model, config, sized, max_seq_len, max_batch_size, max_draft_tokens)
+        slots = 0
+        if model.recurrent_layers > 0 and config.state_slots is not None:
+            slots = config.state_slots
+        elif model.recurrent_layers > 0:
+            slots = _state_slots(
+                model,
+                config,
+                max_seq_len,
+                primary_bytes,
+                max_batch_size=max_batch_size,
+                max_draft_tokens=_draft_for_sizing(max_draft_tokens),
+                process_group=process_group,
+            )
+        self._init(model, config, sized, max_seq_len, max_batch_size, max_draft_tokens, slots)
 
     def _init(
         self,
@@ -419,9 +474,10 @@ class KVCacheManager(_core.KVCacheManager):
         max_seq_len: int,
         max_batch_size: int,
         max_draft_tokens: int,
+        state_slots: int = 0,
     ) -> None:
         kwargs = _native_kwargs(
-            model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens
+            model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens, state_slots
         )
         _core.KVCacheManager.__init__(self, **kwargs)
         self.model = model
@@ -440,6 +496,7 @@ class KVCacheManager(_core.KVCacheManager):
         max_seq_len: int,
         max_batch_size: int,
         max_draft_tokens: int = 0,
+        state_slots: int | None = None,
     ) -> KVCacheManager:
         """Builds a manager with exact block counts per window (tests, simulations).
 
@@ -452,9 +509,24 @@ class KVCacheManager(_core.KVCacheManager):
             max_seq_len: Longest sequence; required.
             max_batch_size: Most sequences registered at once.
             max_draft_tokens: See ``__init__``.
+            state_slots: Slots of each recurrent state pool (models with recurrent layers; more
+                than ``max_batch_size``); ``None``: ``config.state_slots``, else
+                ``2 * max_batch_size + 2``. Ignored for attention-only models.
         """
+        if state_slots is None:
+            state_slots = getattr(config, "state_slots", None)  # config is checked in _init
+            if state_slots is None:
+                state_slots = 2 * max_batch_size + 2 if isinstance(max_batch_size, int) else 0
         self = cls.__new__(cls)
-        self._init(model, config, blocks_per_window, max_seq_len, max_batch_size, max_draft_tokens)
+        self._init(
+            model,
+            config,
+            blocks_per_window,
+            max_seq_len,
+            max_batch_size,
+            max_draft_tokens,
+            state_slots,
+        )
         return self
 
     def prepare(

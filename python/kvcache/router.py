@@ -14,7 +14,9 @@ computed), cut into full blocks of ``block_size`` tokens, each with its chained 
 (:func:`kvcache.block_hashes`). A prefix of ``p`` blocks is reusable when every
 full-attention group (``kv_cache_spec_kind`` ``"full_attention"``) holds blocks ``0 .. p-1``
 and every sliding-window group of window ``W`` holds the blocks that cover the last ``W``
-tokens before the hit point: blocks ``max(0, p - ceil(W / block_size)) .. p-1``. The answer is
+tokens before the hit point: blocks ``max(0, p - ceil(W / block_size)) .. p-1``, and every
+recurrent state group (``"mamba"``: kvcache's checkpoints) holds a checkpoint at ``p`` (its
+"block" ``p-1``; an engine with recurrent layers reuses no partial block). The answer is
 the largest such ``p`` times ``block_size`` (0 if none). A block counts in any medium (device,
 host, disk). A block's key covers its whole prefix, so holding block ``p-1`` implies the
 engine's reuse tree reaches it.
@@ -85,8 +87,11 @@ class _Group:
     """One KV cache group (a window) of one engine: its spec and the blocks it holds."""
 
     block_size: int
-    window: int | None  # tokens; None = full attention
+    window: int | None  # tokens; None = full attention (or a recurrent state group)
     blocks: dict[Hashable, set[str | None]] = field(default_factory=dict)  # hash -> media
+    #: A recurrent state group (kv_cache_spec_kind "mamba"): a "block" is a checkpoint of the
+    #: state after the chain ending at its hash.
+    recurrent: bool = False
 
 
 @dataclass
@@ -158,8 +163,11 @@ def _served_blocks(present: Mapping[int, tuple[_Group, list[bool]]]) -> int:
     num = min((len(flags) for _, flags in present.values()), default=0)
     limit = num
     sliding: list[tuple[int, list[bool]]] = []
+    states: list[list[bool]] = []  # recurrent groups: a hit at p needs a checkpoint at p
     for group, flags in present.values():
-        if group.window is None:
+        if group.recurrent:
+            states.append(flags)
+        elif group.window is None:
             limit = min(limit, next((i for i in range(num) if not flags[i]), num))
         else:
             sliding.append((math.ceil(group.window / group.block_size), flags))
@@ -172,7 +180,7 @@ def _served_blocks(present: Mapping[int, tuple[_Group, list[bool]]]) -> int:
                 last_gap[k] = i
             if last_gap[k] >= max(0, i + 1 - window_blocks):
                 served = False
-        if served:
+        if served and all(flags[i] for flags in states):
             best = i + 1
     return best
 
@@ -293,10 +301,12 @@ class KvIndexer:
             self._apply_shared(engine, group_idx, e)
             return
         if kind == "BlockStored":
-            sliding = e.get("kv_cache_spec_kind") == "sliding_window"
+            spec_kind = e.get("kv_cache_spec_kind")
+            sliding = spec_kind == "sliding_window"
             window = e.get("kv_cache_spec_sliding_window") if sliding else None
             stored = engine.groups.setdefault(group_idx, _Group(int(e["block_size"]), window))
             stored.block_size, stored.window = int(e["block_size"]), window
+            stored.recurrent = spec_kind == "mamba"
             for h in e["block_hashes"]:
                 stored.blocks.setdefault(h, set()).add(medium)
             if e.get("lora_name") is not None and e.get("lora_id") is not None:

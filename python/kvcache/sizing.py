@@ -47,7 +47,9 @@ __all__ = [
     "max_blocks_per_sequence",
     "parse_size",
     "peak_blocks_per_sequence",
+    "pool_shares",
     "resolve_share_policy",
+    "state_slots",
     "window_size_shares",
     "window_sizes",
 ]
@@ -281,6 +283,115 @@ def _share_fractions(
     return {w: x / total for w, x in zip(windows, weights, strict=True)}
 
 
+def _auto_seq_len(source: str, max_seq_len: int | None, expected_seq_len: int | None) -> int:
+    """The sequence length the ``"auto"`` policy sizes for, validated."""
+    seq_len = expected_seq_len if expected_seq_len is not None else max_seq_len
+    if seq_len is None:
+        raise ValueError(
+            f'the "auto" share policy ({source}) needs max_seq_len or expected_seq_len'
+        )
+    return _positive("expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len)
+
+
+def _pool_fractions(
+    bpt: Mapping[int, int],
+    slot_bytes: int,
+    policy: SharePolicy,
+    source: str,
+    *,
+    max_seq_len: int | None,
+    expected_seq_len: int | None,
+    tokens_per_block: int,
+    max_batch_size: int | None = None,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    primary_bytes: int | None = None,
+    max_draft_tokens: int = 0,
+    fixed_slots: int | None = None,
+) -> tuple[dict[int, Fraction], Fraction]:
+    """Exact shares of the windows (ascending) and of the recurrent state pool, whose slots
+    are ``slot_bytes`` each (0: no recurrent layers, the windows' shares alone); see
+    :func:`pool_shares`."""
+    common: dict[str, Any] = {
+        "max_seq_len": max_seq_len,
+        "expected_seq_len": expected_seq_len,
+        "tokens_per_block": tokens_per_block,
+        "max_batch_size": max_batch_size,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_draft_tokens": max_draft_tokens,
+    }
+    if slot_bytes == 0:
+        shares = _share_fractions(bpt, policy, source, primary_bytes=primary_bytes, **common)
+        return shares, Fraction(0)
+    windows = sorted(bpt)
+    n = len(windows)
+    if isinstance(policy, tuple) and len(policy) != n + 1:
+        raise ValueError(
+            f"{source} gives {len(policy)} share(s) but the model has {n} window(s) {windows} "
+            f"and a recurrent state pool: give {n + 1} shares, one per window in ascending "
+            "window order and then the state pool's"
+        )
+    window_policy: SharePolicy = policy[:n] if isinstance(policy, tuple) else policy
+
+    def scaled(rest: int | None, state: Fraction) -> tuple[dict[int, Fraction], Fraction]:
+        shares = _share_fractions(bpt, window_policy, source, primary_bytes=rest, **common)
+        return {w: f * (1 - state) for w, f in shares.items()}, state
+
+    if fixed_slots is not None:
+        # The pool's bytes come first; the windows divide the rest by their own shares.
+        reserve = fixed_slots * slot_bytes
+        if primary_bytes is None or reserve >= primary_bytes:
+            budget = "no primary budget"
+            if primary_bytes is not None:
+                budget = f"a budget of {format_size(primary_bytes)} ({primary_bytes:,} bytes)"
+            raise ValueError(
+                f"state_slots = {fixed_slots} needs {format_size(reserve)} ({reserve:,} bytes: "
+                f"{fixed_slots} slots of {slot_bytes:,} bytes) of recurrent state, and leaves "
+                f"nothing for the attention windows with {budget}"
+            )
+        return scaled(primary_bytes - reserve, Fraction(reserve, primary_bytes))
+    weights: list[Fraction]
+    if isinstance(policy, tuple):
+        weights = [Fraction(repr(x)) for x in policy]
+    elif policy == "equal":
+        weights = [Fraction(1)] * (n + 1)
+    elif policy == "proportional":
+        weights = [Fraction(w * bpt[w]) for w in windows] + [Fraction(2 * slot_bytes)]
+    elif policy == "auto":
+        seq_len = _auto_seq_len(source, max_seq_len, expected_seq_len)
+        tpb = _positive("tokens_per_block", tokens_per_block)
+        draft = _non_negative("max_draft_tokens", max_draft_tokens)
+        if max_batch_size is None:
+            for w in windows:
+                _positive(f"window {w!r}", w)
+                _positive(f"bytes_per_token[{w}]", bpt[w])
+            weights = _auto_weights_alone(
+                bpt, seq_len, tpb, draft, max_num_batched_tokens, primary_bytes, 2 * slot_bytes
+            )
+        else:
+            reserve = 2 * _positive("max_batch_size", max_batch_size) * slot_bytes
+            if primary_bytes is not None and reserve < primary_bytes:
+                return scaled(primary_bytes - reserve, Fraction(reserve, primary_bytes))
+            # No budget, or not even the state's: every pool runs out at the same concurrency.
+            demand = auto_demand_tokens(
+                windows,
+                seq_len,
+                tokens_per_block=tpb,
+                max_batch_size=max_batch_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_draft_tokens=draft,
+            )
+            weights = [Fraction(demand[w] * bpt[w]) for w in windows] + [Fraction(reserve)]
+    else:
+        return scaled(primary_bytes, Fraction(0))  # raises: unknown policy
+    total = sum(weights, Fraction(0))
+    if total <= 0:  # pragma: no cover - excluded by the value checks
+        raise ValueError(f"{source}: shares are all zero; their sum must be positive")
+    for w in windows:
+        _positive(f"window {w!r}", w)
+        _positive(f"bytes_per_token[{w}]", bpt[w])
+    return {w: x / total for w, x in zip(windows, weights, strict=False)}, weights[n] / total
+
+
 def peak_blocks_per_sequence(
     seq_len: int,
     window: int,
@@ -334,15 +445,21 @@ def _auto_weights_alone(
     draft: int,
     chunk: int,
     primary_bytes: int | None,
+    state_bytes: int = 0,
 ) -> list[Fraction]:
     """``"auto"`` without ``max_batch_size``: ``n`` sequences of ``seq_len`` tokens need
     ``peak + (n - 1) * live`` blocks of a window (one prefilling in chunks of ``chunk``
     tokens, :func:`peak_blocks_per_sequence`; the others decoding,
     :func:`max_blocks_per_sequence`). With ``primary_bytes`` the shares give every window the
     same ``n``, so no window is short of one sequence's prefill; without it, or when the
-    budget holds less than one peak per window, in proportion to ``live`` (or the peaks)."""
+    budget holds less than one peak per window, in proportion to ``live`` (or the peaks).
+
+    ``state_bytes`` > 0 adds the recurrent state pool as a last entry that needs
+    ``state_bytes`` per sequence, peak and live alike."""
     windows = sorted(bpt)
     live = [max_blocks_per_sequence(seq_len, w, tpb, draft) * tpb * bpt[w] for w in windows]
+    if state_bytes > 0:
+        live.append(state_bytes)
     if primary_bytes is None:
         return [Fraction(x) for x in live]
     peak = [
@@ -351,6 +468,8 @@ def _auto_weights_alone(
         * bpt[w]
         for w in windows
     ]
+    if state_bytes > 0:
+        peak.append(state_bytes)
     extra = Fraction(primary_bytes - sum(peak), sum(live))  # sequences beyond the first
     if extra <= 0:
         return [Fraction(x) for x in peak]
@@ -556,6 +675,224 @@ def window_size_shares(
     return {w: float(f) for w, f in fractions.items()}
 
 
+def pool_shares(
+    model: ModelConfig,
+    config: KvCacheConfig,
+    max_seq_len: int,
+    *,
+    primary_bytes: int | None = None,
+    expected_seq_len: int | None = None,
+    max_batch_size: int | None = None,
+    max_draft_tokens: int = 0,
+) -> tuple[dict[int, float], float]:
+    """Shares of the memory budget of each attention window and of the recurrent state pool.
+
+    The policy is ``config.window_size_shares``, else ``KVCACHE_WINDOW_SIZE_SHARES``, else
+    ``TRTLLM_WINDOW_SIZE_SHARES``, else ``"equal"`` (:func:`resolve_share_policy`). For an
+    attention-only model the state share is 0 and the windows' shares are those of
+    :func:`window_size_shares`. For a model with recurrent layers the state pool is one more
+    pool after the windows, its slots ``S = model.state_bytes_per_sequence()`` bytes each:
+
+    * ``"equal"``: ``1/(n+1)`` for each of the ``n`` windows and the state pool.
+    * ``"proportional"``: windows ∝ ``window * bytes_per_token[window]`` as without state,
+      the state pool ∝ ``2 * S``: what one full-length sequence occupies in each pool, its
+      state counted twice (its working slot and the checkpoint it is resumed from).
+    * ``"auto"``: with ``max_batch_size`` the state pool first gets ``2 * max_batch_size * S``
+      bytes (a working slot and one checkpoint per running sequence) and the windows share the
+      rest of ``primary_bytes`` as :func:`window_size_shares` shares a budget; without
+      ``primary_bytes``, or when it holds no more than the state's bytes, every pool ∝ its
+      demand. Without ``max_batch_size`` the state pool is one more pool needing ``2 * S``
+      bytes per sequence, so every pool holds the same number of sequences.
+    * numbers: ``n + 1`` of them, one per window in ascending window order and then the
+      state pool's (``ValueError`` naming the expected count otherwise).
+
+    With ``config.state_slots`` set, the pool's ``state_slots * S`` bytes come first and the
+    windows divide the rest of ``primary_bytes`` by their own shares (a number list still has
+    ``n + 1`` entries; the state pool's is not used).
+
+    Args:
+        model: The model (windows, bytes per token, recurrent state).
+        config: Shares, window pattern, block size, ``max_num_batched_tokens``,
+            ``state_slots``.
+        max_seq_len: Longest sequence; full-attention layers get this window.
+        primary_bytes: The budget the shares divide (``"auto"``, ``state_slots``).
+        expected_seq_len: Typical sequence length for ``"auto"`` (default
+            ``config.expected_seq_len``, else ``max_seq_len``).
+        max_batch_size: Most sequences running at once, used by ``"auto"``.
+        max_draft_tokens: Draft tokens sliding windows keep beyond the window (``"auto"``).
+
+    Returns:
+        ``(window -> share in ascending window order, state pool share)``, summing to 1.0.
+
+    Raises:
+        ValueError: As :func:`window_size_shares`; a number list of the wrong length; a
+            ``state_slots`` whose bytes do not leave room for the windows.
+
+    Example:
+        Qwen3.5-9B's shape (8 full-attention layers of 4 KV heads x 256, bfloat16; 24 Gated
+        DeltaNet layers of 2,146,304 B, so 51,511,296 B per slot), 16 GiB, 32 sequences:
+        "equal" halves the budget; "auto" gives the state 64 slots (3.07 GiB) first.
+
+        >>> from kvcache.models import load_model
+        >>> p = load_model("qwen3.5-9b")
+        >>> pool_shares(p.model, p.kv_cache_config(window_size_shares="equal"), 32768)
+        ({32768: 0.5}, 0.5)
+        >>> w, state = pool_shares(p.model, p.kv_cache_config(window_size_shares="auto"), 32768,
+        ...                        primary_bytes=16 * 2**30, max_batch_size=32)
+        >>> round(state * 16 * 2**30 / p.model.state_bytes_per_sequence())
+        64
+    """
+    if primary_bytes is not None:
+        _positive("primary_bytes", primary_bytes)
+    windows, state = _model_pool_fractions(
+        model,
+        config,
+        max_seq_len,
+        primary_bytes,
+        expected_seq_len,
+        max_batch_size,
+        max_draft_tokens,
+    )
+    return {w: float(f) for w, f in windows.items()}, float(state)
+
+
+def _model_pool_fractions(
+    model: ModelConfig,
+    config: KvCacheConfig,
+    max_seq_len: int,
+    primary_bytes: int | None,
+    expected_seq_len: int | None,
+    max_batch_size: int | None,
+    max_draft_tokens: int,
+) -> tuple[dict[int, Fraction], Fraction]:
+    """Exact :func:`pool_shares` (``primary_bytes`` 0 or ``None``: no budget)."""
+    policy, source = resolve_share_policy(config.window_size_shares)
+    return _pool_fractions(
+        bytes_per_token(model, config, max_seq_len),
+        model.state_bytes_per_sequence(),
+        policy,
+        source,
+        max_seq_len=max_seq_len,
+        expected_seq_len=expected_seq_len
+        if expected_seq_len is not None
+        else config.expected_seq_len,
+        tokens_per_block=config.tokens_per_block,
+        max_batch_size=max_batch_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        primary_bytes=primary_bytes or None,
+        max_draft_tokens=max_draft_tokens,
+        fixed_slots=config.state_slots if model.recurrent_layers > 0 else None,
+    )
+
+
+def state_slots(
+    model: ModelConfig,
+    config: KvCacheConfig,
+    max_seq_len: int,
+    primary_bytes: int,
+    *,
+    max_batch_size: int,
+    expected_seq_len: int | None = None,
+    max_draft_tokens: int = 0,
+    process_group: Any = None,
+) -> int:
+    """Slots of the recurrent state pool of each recurrent layer group for a memory budget.
+
+    ``slots = floor(primary_bytes * state_share / S)`` with ``S =
+    model.state_bytes_per_sequence()`` and the state share of :func:`pool_shares` (the same
+    that :func:`blocks_per_window` leaves out of the windows); ``config.state_slots`` when
+    set. A pool needs more slots than ``max_batch_size``: one working slot per running
+    sequence and at least one to checkpoint into.
+
+    Args:
+        model: The model; 0 is returned when it has no recurrent layers.
+        config: Shares, ``state_slots`` and what :func:`pool_shares` reads.
+        max_seq_len: Longest sequence; full-attention layers get this window.
+        primary_bytes: The primary (device) budget that windows and state divide (> 0).
+        max_batch_size: Most sequences running at once (> 0).
+        expected_seq_len: Typical sequence length for ``"auto"``.
+        max_draft_tokens: Draft tokens sliding windows keep (``"auto"``).
+        process_group: A ``torch.distributed`` process group: every rank gets the smallest
+            rank's slot count (see :func:`blocks_per_window`). ``None``: this process alone.
+
+    Returns:
+        Slots per recurrent group.
+
+    Raises:
+        ValueError: Bad arguments or shares; fewer than ``max_batch_size + 1`` slots (the
+            message names the pool's bytes, the slot size and the share needed); more than
+            ``2**31 - 1`` slots.
+
+    Example:
+        Qwen3.5-9B, 16 GiB, equal shares: 8 GiB / 51,511,296 B = 166 slots.
+
+        >>> from kvcache.models import load_model
+        >>> p = load_model("qwen3.5-9b")
+        >>> state_slots(p.model, p.kv_cache_config(window_size_shares="equal"), 32768,
+        ...             16 * 2**30, max_batch_size=32)
+        166
+    """
+    if process_group is not None:
+        from kvcache.distributed import min_reduce_blocks
+
+        try:
+            local = state_slots(
+                model,
+                config,
+                max_seq_len,
+                primary_bytes,
+                max_batch_size=max_batch_size,
+                expected_seq_len=expected_seq_len,
+                max_draft_tokens=max_draft_tokens,
+            )
+        except ValueError:
+            min_reduce_blocks(None, process_group)
+            raise
+        agreed = min_reduce_blocks({0: (local, 0)}, process_group)
+        assert agreed is not None
+        return agreed[0][0]
+    primary = _positive("primary_bytes", primary_bytes)
+    batch = _positive("max_batch_size", max_batch_size)
+    slot = model.state_bytes_per_sequence()
+    if slot == 0:
+        return 0
+    need = batch + 1
+    n = 0
+    if config.state_slots is not None:
+        n = config.state_slots
+        if n < need:
+            raise ValueError(
+                f"state_slots = {n} is too few for max_batch_size = {batch}: a recurrent state "
+                f"pool needs at least {need} slots (one working slot per running sequence and "
+                "one to checkpoint into)"
+            )
+    _, share = _model_pool_fractions(
+        model, config, max_seq_len, primary, expected_seq_len, batch, max_draft_tokens
+    )  # with state_slots: raises when the slots leave nothing for the windows
+    if config.state_slots is not None:
+        return n
+    pool = math.floor(primary * share)
+    n = pool // slot
+    if n < need:
+        need_share = need * slot / primary
+        raise ValueError(
+            f"memory budget too small for the recurrent state: its pool gets "
+            f"{format_size(pool)} (share {float(share):.4f} of {format_size(primary)}), {n} "
+            "slot(s) "
+            f"of {format_size(slot)} ({slot:,} bytes: {model.recurrent_layers} recurrent "
+            f"layers x {model.state_bytes_per_layer():,} bytes), but max_batch_size = {batch} "
+            f"needs at least {need} (one working slot per running sequence and one to "
+            f"checkpoint into): {format_size(need * slot)} ({need * slot:,} bytes), a share of "
+            f"{need_share:.4f}; give the state pool a larger share or set state_slots"
+        )
+    if n > MAX_BLOCKS_PER_WINDOW:
+        raise ValueError(
+            f"memory budget too large: the recurrent state pool would get {n:,} slots, but "
+            f"slot ids are 32-bit (at most {MAX_BLOCKS_PER_WINDOW:,}); give less memory"
+        )
+    return n
+
+
 # --------------------------------------------------------------------------------------
 # Blocks
 # --------------------------------------------------------------------------------------
@@ -649,8 +986,9 @@ def blocks_per_window(
     tpb = config.tokens_per_block
     bpt = bytes_per_token(model, config, max_seq_len)
     policy, source = resolve_share_policy(config.window_size_shares)
-    shares = _share_fractions(
+    shares, state_share = _pool_fractions(
         bpt,
+        model.state_bytes_per_sequence(),
         policy,
         source,
         max_seq_len=max_seq_len,
@@ -662,7 +1000,11 @@ def blocks_per_window(
         max_num_batched_tokens=config.max_num_batched_tokens,
         primary_bytes=primary if primary > 0 else None,
         max_draft_tokens=max_draft_tokens,
+        fixed_slots=config.state_slots if model.recurrent_layers > 0 else None,
     )
+    # The secondary (host) tiers hold offloaded KV blocks only: the windows split all of them.
+    rest = 1 - state_share if state_share < 1 else Fraction(1)
+    secondary_shares = {w: f / rest for w, f in shares.items()}
     windows = list(bpt)
     cap: int | None = None
     if config.max_tokens is not None:
@@ -684,7 +1026,7 @@ def blocks_per_window(
     for w in windows:
         block_bytes = bpt[w] * tpb
         n_primary = math.floor(primary * shares[w] / block_bytes)
-        n_secondary = math.floor(secondary * shares[w] / block_bytes)
+        n_secondary = math.floor(secondary * secondary_shares[w] / block_bytes)
         if n_primary < 1:
             window_bytes = math.floor(primary * shares[w])
             missing = block_bytes - window_bytes

@@ -720,6 +720,34 @@ BAD_CALLS: list[Row] = [
         "window_size is required",
     ),
     ("num_tokens-unknown", lambda m: m.num_tokens(9), KeyError, "unknown request id 9"),
+    # recurrent state (this manager has none)
+    (
+        "get_chunk_limit-unknown",
+        lambda m: m.get_chunk_limit(9, 4),
+        KeyError,
+        "unknown request id 9",
+    ),
+    ("get_chunk_limit-zero", lambda m: m.get_chunk_limit(1, 0), ValueError, "must be >= 1"),
+    (
+        "get_prompt_chunk_limit-list",
+        lambda m: m.get_prompt_chunk_limit([1, 2], 4),
+        TypeError,
+        "get_prompt_chunk_limit",
+    ),
+    (
+        "get_prompt_chunk_limit-zero",
+        lambda m: m.get_prompt_chunk_limit(m.prepare([1, 2]), 0),
+        ValueError,
+        "must be >= 1",
+    ),
+    (
+        "get_reusable_by_kind-list",
+        lambda m: m.get_reusable_by_kind([1, 2]),
+        TypeError,
+        "get_reusable_by_kind",
+    ),
+    ("get_state_slot-no-group", lambda m: m.get_state_slot(1), ValueError, "state group 0"),
+    ("get_state_view-no-layer", lambda m: m.get_state_view(0, 0), ValueError, "recurrent layer 0"),
     ("prompt_length-unknown", lambda m: m.prompt_length(9), KeyError, "unknown request id 9"),
     (
         "get_request_stats-unknown",
@@ -964,7 +992,15 @@ def test_every_public_callable_rejects_bad_input_and_changes_nothing(
 def test_bad_call_table_covers_every_public_manager_method() -> None:
     """A new public method needs a row above (properties are read, not called with input)."""
     covered = {name.split("-")[0] for name, *_ in BAD_CALLS}
-    no_input = {"check_invariants", "refresh_blocks", "reset_prefix_cache", "get_kv_cache_stats"}
+    no_input = {
+        "check_invariants",
+        "refresh_blocks",
+        "reset_prefix_cache",
+        "get_kv_cache_stats",
+        "save_checkpoints",
+        "take_state_copies",
+        "state_groups",
+    }
     methods = {
         n
         for n in dir(KVCacheManager)

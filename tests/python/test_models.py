@@ -13,6 +13,7 @@ from kvcache.sizing import bytes_per_token, window_sizes
 
 ALL = [
     "command-a",
+    "falcon-h1-34b",
     "gemma-2-27b",
     "gemma-2-9b",
     "gemma-3-12b",
@@ -25,8 +26,15 @@ ALL = [
     "gemma-4-e4b",
     "gpt-oss-120b",
     "gpt-oss-20b",
+    "granite-4.0-h-small",
+    "jamba-1.5-mini",
     "llama-3.1-8b",
     "mistral-7b-v0.1",
+    "nemotron-3-nano-30b-a3b",
+    "qwen3-next-80b-a3b",
+    "qwen3.5-27b",
+    "qwen3.5-397b-a17b",
+    "qwen3.5-9b",
 ]
 
 G3 = (1024, 1024, 1024, 1024, 1024, None)

@@ -2,7 +2,10 @@
 
 Each preset is a JSON data file next to this module (shipped in the wheel) holding the
 model's attention shape, its window pattern and its maximum context, taken from the
-model's published Hugging Face ``config.json``.
+model's published Hugging Face ``config.json``. Hybrid models (Qwen3.5, Qwen3-Next,
+Nemotron 3, Granite 4.0-H, Falcon-H1, Jamba) also declare their recurrent layers and the
+state tensors of one of them (``ModelConfig.recurrent_layers`` / ``recurrent_state``) and,
+like Hugging Face's ``layer_types``, where those layers sit (``ModelPreset.layer_types``).
 
 Example:
     >>> from kvcache.models import list_models, load_model
@@ -26,10 +29,21 @@ from typing import Any
 
 from kvcache.config import KvCacheConfig, ModelConfig
 
-__all__ = ["ModelPreset", "list_models", "load_model"]
+__all__ = ["LAYER_KINDS", "ModelPreset", "list_models", "load_model"]
 
 _SUFFIX = ".json"
-_KEYS = ("name", "description", "model", "max_attention_window", "max_context", "source")
+_KEYS = (
+    "name",
+    "description",
+    "model",
+    "layer_types",
+    "max_attention_window",
+    "max_context",
+    "source",
+)
+
+#: Layer kinds of ``ModelPreset.layer_types``.
+LAYER_KINDS: tuple[str, ...] = ("attention", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,11 @@ class ModelPreset:
         max_context: The model's maximum context length in tokens.
         description: One line for people.
         source: Where the numbers come from.
+        layer_types: For hybrid models, the order of the cache-holding layers as a pattern
+            of ``"attention"`` and ``"recurrent"`` that repeats over the
+            ``num_layers + recurrent_layers`` layers, as Hugging Face's ``layer_types``
+            (Qwen3.5: three recurrent, then one attention); ``None`` for attention-only
+            models and for parallel hybrids whose every layer has both (Falcon-H1).
     """
 
     name: str
@@ -52,6 +71,20 @@ class ModelPreset:
     max_context: int
     description: str
     source: str = ""
+    layer_types: tuple[str, ...] | None = None
+
+    def layer_kinds(self) -> list[str] | None:
+        """``layer_types`` expanded to one kind per cache-holding layer (``None`` without).
+
+        Example:
+            >>> load_model("qwen3.5-9b").layer_kinds()[:5]
+            ['recurrent', 'recurrent', 'recurrent', 'attention', 'recurrent']
+        """
+        pattern = self.layer_types
+        if pattern is None:
+            return None
+        total = self.model.num_layers + self.model.recurrent_layers
+        return [pattern[i % len(pattern)] for i in range(total)]
 
     def kv_cache_config(self, **overrides: Any) -> KvCacheConfig:
         """A ``KvCacheConfig`` with this preset's window pattern and the given fields.
@@ -101,7 +134,7 @@ def list_models() -> list[str]:
 
     Example:
         >>> list_models()[:3]
-        ['command-a', 'gemma-2-27b', 'gemma-2-9b']
+        ['command-a', 'falcon-h1-34b', 'gemma-2-27b']
     """
     names = [
         entry.name[: -len(_SUFFIX)]
@@ -121,7 +154,7 @@ def load_model(name: str) -> ModelPreset:
         name: A name from :func:`list_models`, or the path of a ``.json`` file in the same
             format as the built-in presets: an object with ``name``, ``model`` (the
             :class:`~kvcache.config.ModelConfig` fields) and ``max_context``, and optionally
-            ``max_attention_window``, ``description`` and ``source``.
+            ``max_attention_window``, ``layer_types``, ``description`` and ``source``.
 
     Returns:
         The preset.
@@ -181,7 +214,7 @@ def _parse(text: str, *, origin: str) -> ModelPreset:
     if missing:
         raise ValueError(
             f"{origin}: missing keys {_quoted(missing)}; a preset needs {_quoted(_REQUIRED)} "
-            "(and may have 'max_attention_window', 'description', 'source')"
+            "(and may have 'layer_types', 'max_attention_window', 'description', 'source')"
         )
     try:
         if not isinstance(d["model"], dict):
@@ -203,6 +236,32 @@ def _parse(text: str, *, origin: str) -> ModelPreset:
             max_context=max_context,
             description=str(d.get("description", "")),
             source=str(d.get("source", "")),
+            layer_types=_layer_types(d.get("layer_types"), model),
         )
     except (ValueError, TypeError) as e:
         raise ValueError(f"{origin}: {e}") from None
+
+
+def _layer_types(value: object, model: ModelConfig) -> tuple[str, ...] | None:
+    """The ``layer_types`` pattern, checked against the model's layer counts."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"layer_types must be a non-empty list of {_quoted(LAYER_KINDS)}")
+    for i, kind in enumerate(value):
+        if kind not in LAYER_KINDS:
+            raise ValueError(
+                f"layer_types[{i}] must be one of {_quoted(LAYER_KINDS)}, got {kind!r}"
+            )
+    total = model.num_layers + model.recurrent_layers
+    if len(value) > total:
+        raise ValueError(f"layer_types has {len(value)} entries, more than the {total} layers")
+    kinds = [value[i % len(value)] for i in range(total)]
+    counts = (kinds.count("attention"), kinds.count("recurrent"))
+    if counts != (model.num_layers, model.recurrent_layers):
+        raise ValueError(
+            f"layer_types repeated over {total} layers gives {counts[0]} attention and "
+            f"{counts[1]} recurrent layers, but the model has num_layers={model.num_layers} "
+            f"and recurrent_layers={model.recurrent_layers}"
+        )
+    return tuple(value)

@@ -593,6 +593,18 @@ class _Engine:
             max_chunk_size=self.sched.max_chunk_size,
             prefill_chunks=self.chunks,
             series=series,
+            lost_hit_tokens={
+                "attention blocks evicted": int(stats.lost_hit_tokens_attention),
+                "sliding window evicted": int(stats.lost_hit_tokens_sliding_window),
+                "no state checkpoint": int(stats.lost_hit_tokens_no_checkpoint),
+            },
+            state_slots=int(stats.state_slots),
+            checkpoints={
+                "stored": int(stats.checkpoints_stored),
+                "restored": int(stats.checkpoints_restored),
+                "skipped": int(stats.checkpoints_skipped),
+                "evicted": int(stats.checkpoints_evicted),
+            },
         )
 
 

@@ -98,6 +98,13 @@ class SimulationReport:
     max_chunk_size: int | None = 8192
     prefill_chunks: int = 0
     series: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    #: Prompt tokens whose keys the cache matched but that were not reused, by cause (the
+    #: manager's ``lost_hit_tokens_*`` counters).
+    lost_hit_tokens: dict[str, int] = field(default_factory=dict)
+    #: Recurrent state: slots per state group summed (0: no recurrent layers) and the
+    #: checkpoints stored, restored (hits resumed from one), skipped and evicted.
+    state_slots: int = 0
+    checkpoints: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self, *, with_series: bool = True) -> dict[str, Any]:
         """JSON-friendly form (per-step series included unless ``with_series`` is false)."""
@@ -219,6 +226,18 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
                 else " (no host cache: --host-cache SIZE)"
             ),
         ]
+        lost = {k: v for k, v in r.lost_hit_tokens.items() if v}
+        if lost:
+            lines.append(
+                "  hits lost           " + ", ".join(f"{k} {v:,} tokens" for k, v in lost.items())
+            )
+        if r.state_slots:
+            c = r.checkpoints
+            lines.append(
+                f"  recurrent state     {r.state_slots:,} slots; checkpoints stored "
+                f"{c.get('stored', 0):,}, restored {c.get('restored', 0):,}, skipped "
+                f"{c.get('skipped', 0):,}, evicted {c.get('evicted', 0):,}"
+            )
         if r.disk_cache_bytes and r.cache_hit_rate_without_disk is not None:
             gain = 100 * (r.cache_hit_rate - r.cache_hit_rate_without_disk)
             lines.append(
