@@ -252,3 +252,26 @@ def test_router_predicts_hybrid_hits_with_checkpoints() -> None:
     assert checked == 180 and hits > 20
     stats = m.get_kv_cache_stats()
     assert stats.checkpoints_evicted > 0 and stats.cached_checkpoints > 0
+
+
+def test_simulate_a_hybrid_preset_within_its_memory() -> None:
+    """kvcache simulate on Qwen3.5-9B: the state pool takes what the windows leave of the
+    budget, the chat's later turns resume from checkpoints, and the report says why hits were
+    lost; a budget too small for the batch's working slots is a clear error."""
+    from kvcache.simulate import default_workload, simulate
+
+    trace = default_workload(num_conversations=40, seed=0)
+    r = simulate(trace, model="qwen3.5-9b", memory_bytes=24 * 2**30, check_invariants=True)
+    # 24 GiB, equal shares: 12 GiB of attention blocks (8 layers x 4 heads x 256 x 2 x 2 B per
+    # token: 32,768 B, 1 MiB per 32-token block) and 12 GiB of 51,511,296-byte state slots.
+    assert r.windows[0].blocks == 12 * 1024
+    assert r.state_slots == 12 * 2**30 // 51_511_296 == 250
+    assert r.checkpoints["restored"] > 0 and r.checkpoints["stored"] > 0
+    assert set(r.lost_hit_tokens) == {
+        "attention blocks evicted",
+        "sliding window evicted",
+        "no state checkpoint",
+    }
+    assert r.cache_hit_rate is not None and r.cache_hit_rate > 0.5
+    with pytest.raises(ValueError, match="83 slots"):
+        simulate(trace, model="qwen3.5-9b", memory_bytes=8 * 2**30)

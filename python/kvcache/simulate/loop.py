@@ -24,7 +24,13 @@ from kvcache.resource_manager import KVCacheResourceManager, Request, RequestSta
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
 from kvcache.simulate.report import SimulationReport, WindowReport
 from kvcache.simulate.workload import _VOCAB, TraceRequest
-from kvcache.sizing import blocks_per_window, format_size, parse_size, resolve_share_policy
+from kvcache.sizing import (
+    blocks_per_window,
+    bytes_per_token,
+    format_size,
+    parse_size,
+    resolve_share_policy,
+)
 
 __all__ = [
     "BOOKKEEPING_BYTES_PER_BLOCK",
@@ -87,6 +93,26 @@ class _Setup:
     share_text: str
     expected_seq_len: int | None
     disk: dict[int, int]
+
+    def state_slots(self, max_batch_size: int) -> int | None:
+        """Slots of the recurrent state pool: the primary memory the windows' blocks leave
+        (``None`` without recurrent layers)."""
+        model = self.preset.model
+        if model.recurrent_layers == 0:
+            return None
+        per_token = bytes_per_token(model, self.config, self.seq_len)
+        tpb = self.config.tokens_per_block
+        used = sum(p * per_token[w] * tpb for w, (p, _) in self.blocks.items())
+        slots = (self.memory - used) // model.state_bytes_per_sequence()
+        if slots <= max_batch_size:
+            raise ValueError(
+                f"{format_size(self.memory)} leaves {format_size(self.memory - used)} for the "
+                f"recurrent state: {slots} slots of {model.state_bytes_per_sequence():,} B, but "
+                f"max_batch_size {max_batch_size} needs more than {max_batch_size} (a working "
+                "slot per sequence and room for checkpoints); give more memory, a larger state "
+                "share (--shares) or a smaller --max-batch-size"
+            )
+        return int(slots)
 
 
 def _setup(
@@ -381,6 +407,7 @@ class _Engine:
             max_seq_len=setup.seq_len,
             max_batch_size=max_batch_size,
             max_draft_tokens=draft_tokens,
+            state_slots=setup.state_slots(max_batch_size),
         )
         self.rm = KVCacheResourceManager(self.manager)
         self.sched = CapacityScheduler(
