@@ -328,7 +328,8 @@ std::unique_ptr<KVCacheManager> MakeManager(
     const DiskBlocksPerWindow& disk_blocks_per_window, const std::string& disk_cache_dir, bool lend_free_memory,
     const std::string& shared_cache_url, const std::string& shared_cache_namespace,
     SharedCacheTimeoutMs shared_cache_timeout_ms, SharedCacheQueueBytes shared_cache_queue_bytes,
-    const pybind11::object& recurrent_layers, std::int64_t state_slots, const pybind11::object& checkpoint_policy) {
+    const pybind11::object& recurrent_layers, std::int64_t state_slots, std::int64_t state_secondary_slots,
+    const pybind11::object& checkpoint_policy) {
   ModelSpec model;
   model.num_layers = num_layers;
   model.num_kv_heads.assign(num_kv_heads.begin(), num_kv_heads.end());
@@ -362,7 +363,7 @@ std::unique_ptr<KVCacheManager> MakeManager(
   config.shared_cache_namespace = shared_cache_namespace;
   config.shared_cache_timeout_ms = shared_cache_timeout_ms;
   config.shared_cache_queue_bytes = static_cast<std::size_t>(shared_cache_queue_bytes.value);
-  ParseStateArgs(recurrent_layers, state_slots, checkpoint_policy, &model, &config);
+  ParseStateArgs(recurrent_layers, state_slots, state_secondary_slots, checkpoint_policy, &model, &config);
   pybind11::gil_scoped_release release;
   return std::make_unique<KVCacheManager>(model, config);
 }
@@ -446,7 +447,7 @@ void BindManager(pybind11::module_& m) {
           pybind11::arg("shared_cache_namespace") = "", pybind11::arg("shared_cache_timeout_ms") = 5,
           pybind11::arg("shared_cache_queue_bytes") = std::int64_t{64} << 20,
           pybind11::arg("recurrent_layers") = pybind11::list(), pybind11::arg("state_slots") = 0,
-          pybind11::arg("checkpoint_policy") = pybind11::none());
+          pybind11::arg("state_secondary_slots") = 0, pybind11::arg("checkpoint_policy") = pybind11::none());
   RejectSecondInit(cls);
   cls.def_property_readonly("window_sizes", &M::window_sizes)
       .def_property_readonly("tokens_per_block", &M::tokens_per_block)

@@ -100,10 +100,14 @@ std::int32_t PolicyInt(const py::dict& d, const char* key) {
 
 }  // namespace
 
-void ParseStateArgs(const py::handle& recurrent_layers, std::int64_t state_slots, const py::handle& checkpoint_policy,
-                    ModelSpec* model, ManagerConfig* config) {
+void ParseStateArgs(const py::handle& recurrent_layers, std::int64_t state_slots, std::int64_t state_secondary_slots,
+                    const py::handle& checkpoint_policy, ModelSpec* model, ManagerConfig* config) {
   if (state_slots < 0 || state_slots > INT32_MAX) ThrowInvalid("state_slots must be in 0..2**31-1, got ", state_slots);
+  if (state_secondary_slots < 0 || state_secondary_slots > INT32_MAX) {
+    ThrowInvalid("state_secondary_slots must be in 0..2**31-1, got ", state_secondary_slots);
+  }
   config->state_slots = static_cast<std::int32_t>(state_slots);
+  config->state_secondary_slots = static_cast<std::int32_t>(state_secondary_slots);
   std::size_t l = 0;
   for (const py::handle layer : recurrent_layers) {
     std::vector<StateTensorSpec> tensors;
@@ -154,6 +158,9 @@ void AddStateStats(const KvCacheStats& s, py::dict* d) {
   (*d)["checkpoints_restored"] = s.checkpoints_restored;
   (*d)["checkpoints_skipped"] = s.checkpoints_skipped;
   (*d)["checkpoints_evicted"] = s.checkpoints_evicted;
+  (*d)["checkpoints_offloaded"] = s.checkpoints_offloaded;
+  (*d)["checkpoints_onboarded"] = s.checkpoints_onboarded;
+  (*d)["host_cached_checkpoints"] = s.host_cached_checkpoints;
   (*d)["lost_hit_tokens_attention"] = s.lost_hit_tokens_attention;
   (*d)["lost_hit_tokens_sliding_window"] = s.lost_hit_tokens_sliding_window;
   (*d)["lost_hit_tokens_no_checkpoint"] = s.lost_hit_tokens_no_checkpoint;
@@ -197,6 +204,7 @@ void BindState(py::module_& m) {
               d["tensors"] = tensors;
               d["slot_bytes"] = g.slot_bytes;
               d["num_slots"] = g.num_slots;
+              d["num_secondary"] = g.num_secondary;
               d["ptr"] = g.ptr;
               out.append(d);
             }

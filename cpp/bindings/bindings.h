@@ -26,7 +26,8 @@ struct KvCacheStats;
 namespace kvcache::py {
 /// The constructor's recurrent_layers, state_slots and checkpoint_policy arguments.
 void ParseStateArgs(const pybind11::handle& recurrent_layers, std::int64_t state_slots,
-                    const pybind11::handle& checkpoint_policy, ModelSpec* model, ManagerConfig* config);
+                    std::int64_t state_secondary_slots, const pybind11::handle& checkpoint_policy, ModelSpec* model,
+                    ManagerConfig* config);
 /// The state counters of a stats dict.
 void AddStateStats(const KvCacheStats& s, pybind11::dict* d);
 }  // namespace kvcache::py

@@ -733,7 +733,10 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.cached_checkpoints += pool->NumCached();
     s.free_state_slots += pool->NumFree();
     s.checkpoints_evicted += pool->evicted();
+    s.checkpoints_offloaded += pool->offloaded();
+    s.host_cached_checkpoints += pool->NumCachedSecondary();
   }
+  s.checkpoints_onboarded = state_counters_.onboarded;
   s.checkpoints_stored = state_counters_.stored;
   s.checkpoints_restored = state_counters_.restored;
   s.checkpoints_skipped = state_counters_.skipped;

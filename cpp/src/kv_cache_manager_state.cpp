@@ -46,8 +46,8 @@ void KVCacheManager::MakeStatePools(const ManagerConfig& config, std::vector<Sta
   const auto nw = static_cast<std::int32_t>(windows_.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     states_.push_back(std::make_unique<StatePool>(std::move(groups[g]), static_cast<std::int32_t>(g), config.state_slots,
-                                                  backend_.get(), tree_.get(), nw + static_cast<std::int32_t>(g),
-                                                  events_.get()));
+                                                  config.state_secondary_slots, backend_.get(), tree_.get(),
+                                                  nw + static_cast<std::int32_t>(g), events_.get()));
   }
 }
 
@@ -60,6 +60,7 @@ std::vector<StateGroupInfo> KVCacheManager::state_groups() const {
     info.tensors = pool->layout().tensors;
     info.slot_bytes = pool->layout().slot_bytes;
     info.num_slots = pool->num_slots();
+    info.num_secondary = pool->num_secondary();
     info.ptr = reinterpret_cast<std::uintptr_t>(pool->memory());
     out.push_back(std::move(info));
   }
@@ -178,7 +179,10 @@ void KVCacheManager::AdmitState(Sequence& seq, const ReusePlan& plan, std::int32
       pool.Touch(src);
     }
   }
-  if (hit) ++state_counters_.restored;
+  if (hit) {
+    ++state_counters_.restored;
+    if (states_[0]->IsSecondary(plan.restore[0])) ++state_counters_.onboarded;
+  }
   PlanCheckpoints(seq.prompt_len, plan.reused_tokens, plan.attention_blocks, &seq.checkpoint_plan);
   AdvanceState(seq, plan.reused_tokens, first_end);
 }
@@ -187,8 +191,7 @@ void KVCacheManager::CopySlot(std::size_t g, SlotId src, SlotId dst) {
   StatePool& pool = *states_[g];
   if (pool.memory() == nullptr) return;
   const std::size_t bytes = pool.layout().slot_bytes;
-  auto* base = static_cast<unsigned char*>(pool.memory());
-  void* to = base + static_cast<std::size_t>(dst) * bytes;
+  void* to = pool.Address(dst);
   if (src == kNoSlot) {
     if (zeros_bytes_ < bytes) {
       if (zeros_ptr_ != nullptr) backend_->Free(CacheLevel::kSecondary, zeros_ptr_);
@@ -198,8 +201,7 @@ void KVCacheManager::CopySlot(std::size_t g, SlotId src, SlotId dst) {
     }
     backend_->Copy2D(to, CacheLevel::kPrimary, bytes, zeros_ptr_, CacheLevel::kSecondary, bytes, bytes, 1);
   } else {
-    backend_->Copy2D(to, CacheLevel::kPrimary, bytes, base + static_cast<std::size_t>(src) * bytes,
-                     CacheLevel::kPrimary, bytes, bytes, 1);
+    backend_->Copy2D(to, CacheLevel::kPrimary, bytes, pool.Address(src), pool.Level(src), bytes, bytes, 1);
   }
   backend_->Synchronize();
 }

@@ -46,19 +46,42 @@ std::vector<StateGroupLayout> PlanStateGroups(const std::vector<std::vector<Stat
   return groups;
 }
 
-StatePool::StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, MemoryBackend* backend,
-                     ReuseTree* tree, std::int32_t column, EventLog* events)
+StatePool::StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, std::int32_t num_secondary,
+                     MemoryBackend* backend, ReuseTree* tree, std::int32_t column, EventLog* events)
     : layout_(std::move(layout)), group_(group), backend_(backend), tree_(tree), column_(column), events_(events) {
   if (num_slots <= 0) ThrowInvalid("state group ", group, " needs at least one slot, got ", num_slots);
-  const std::size_t bytes = layout_.slot_bytes * static_cast<std::size_t>(num_slots);
-  if (backend_->HasMemory()) memory_ = backend_->Allocate(CacheLevel::kPrimary, bytes);
-  slots_.resize(static_cast<std::size_t>(num_slots));
-  free_.reserve(slots_.size());
+  if (num_secondary < 0) ThrowInvalid("state group ", group, ": negative secondary slot count ", num_secondary);
+  if (static_cast<std::int64_t>(num_slots) + num_secondary > std::numeric_limits<std::int32_t>::max()) {
+    ThrowInvalid("state group ", group, ": primary and secondary slots exceed 2**31 - 1 slot ids");
+  }
+  num_primary_ = num_slots;
+  if (backend_->HasMemory()) {
+    memory_ = backend_->Allocate(CacheLevel::kPrimary, layout_.slot_bytes * static_cast<std::size_t>(num_slots));
+    if (num_secondary > 0) {
+      try {
+        host_ = backend_->Allocate(CacheLevel::kSecondary, layout_.slot_bytes * static_cast<std::size_t>(num_secondary));
+      } catch (...) {
+        backend_->Free(CacheLevel::kPrimary, memory_);
+        throw;
+      }
+    }
+  }
+  slots_.resize(static_cast<std::size_t>(num_slots) + static_cast<std::size_t>(num_secondary));
+  free_.reserve(static_cast<std::size_t>(num_slots));
   for (SlotId s = num_slots; s-- > 0;) free_.push_back(s);  // slot 0 is taken first
+  for (SlotId s = num_slots + num_secondary; s-- > num_slots;) free_secondary_.push_back(s);
 }
 
 StatePool::~StatePool() {
   if (memory_ != nullptr) backend_->Free(CacheLevel::kPrimary, memory_);
+  if (host_ != nullptr) backend_->Free(CacheLevel::kSecondary, host_);
+}
+
+void* StatePool::Address(SlotId s) const {
+  void* base = IsSecondary(s) ? host_ : memory_;
+  if (base == nullptr) return nullptr;
+  const auto index = static_cast<std::size_t>(IsSecondary(s) ? s - num_primary_ : s);
+  return static_cast<unsigned char*>(base) + index * layout_.slot_bytes;
 }
 
 SlotId StatePool::Take(bool pending) {
@@ -69,7 +92,8 @@ SlotId StatePool::Take(bool pending) {
   } else if (!evictable_.empty()) {
     s = std::get<2>(*evictable_.begin());
     Evict(s);
-    free_.pop_back();  // Evict freed it
+    KVC_CHECK(!free_.empty() && free_.back() == s, "an evicted checkpoint's slot was not freed");
+    free_.pop_back();
   } else {
     return kNoSlot;
   }
@@ -122,49 +146,89 @@ void StatePool::Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_
     ++on_path;
     if (slots_[c].holds == 0 && c != s) shallowest = c;
   }
-  if (on_path > max_per_path && shallowest != kNoSlot) {
-    Evict(shallowest);
-  }
+  if (on_path > max_per_path && shallowest != kNoSlot) Drop(shallowest);
 }
 
 void StatePool::Touch(SlotId s) {
   Slot& slot = slots_[s];
-  if (slot.holds == 0) evictable_.erase(KeyOf(s));
+  if (slot.holds == 0) Evictable(s).erase(KeyOf(s));
   slot.stamp = ++clock_;
-  if (slot.holds == 0) evictable_.insert(KeyOf(s));
+  if (slot.holds == 0) Evictable(s).insert(KeyOf(s));
 }
 
 void StatePool::Hold(SlotId s) {
   Slot& slot = slots_[s];
   KVC_CHECK(slot.state == State::kCached, "holding a slot that is not a checkpoint");
-  if (slot.holds++ == 0) evictable_.erase(KeyOf(s));
+  if (slot.holds++ == 0) Evictable(s).erase(KeyOf(s));
 }
 
 void StatePool::Unhold(SlotId s) {
   Slot& slot = slots_[s];
   KVC_CHECK(slot.holds > 0, "letting go of a checkpoint that is not held");
-  if (--slot.holds == 0) evictable_.insert(KeyOf(s));
+  if (--slot.holds == 0) Evictable(s).insert(KeyOf(s));
 }
 
 void StatePool::Evict(SlotId s) {
+  KVC_CHECK(slots_[s].state == State::kCached && slots_[s].holds == 0, "evicting a checkpoint in use");
+  if (IsSecondary(s) || num_secondary() == 0) {
+    Drop(s);
+    return;
+  }
+  // Offload: a free host slot, else the host's least valuable checkpoint makes room.
+  if (free_secondary_.empty()) {
+    if (evictable_secondary_.empty()) {
+      Drop(s);
+      return;
+    }
+    Drop(std::get<2>(*evictable_secondary_.begin()));
+  }
+  const SlotId h = free_secondary_.back();
+  free_secondary_.pop_back();
+  if (memory_ != nullptr) {
+    const std::size_t bytes = layout_.slot_bytes;
+    backend_->Copy2D(Address(h), CacheLevel::kSecondary, bytes, Address(s), CacheLevel::kPrimary, bytes, bytes, 1);
+    backend_->Synchronize();
+  }
   Slot& slot = slots_[s];
-  KVC_CHECK(slot.state == State::kCached && slot.holds == 0, "evicting a checkpoint in use");
   evictable_.erase(KeyOf(s));
-  const NodeId node = slot.node;
-  if (events_ != nullptr) events_->PushRemoved(0, tree_->Hash(node), group_);
-  tree_->SetBlock(node, column_, kNullBlock);
-  if (tree_->IsEmpty(node) && tree_->IsLeaf(node)) tree_->PruneUp(node);
+  slots_[h] = slot;
+  tree_->SetBlock(slot.node, column_, h);
+  evictable_secondary_.insert(KeyOf(h));
   --num_cached_;
-  ++evicted_;
+  ++num_cached_secondary_;
+  ++offloaded_;
+  if (events_ != nullptr) {
+    KVCacheEvent e;
+    e.kind = EventKind::kUpdated;
+    e.state_group = group_;
+    e.hash = tree_->Hash(slot.node);
+    e.cache_level = std::make_pair(0, 1);
+    events_->Push(std::move(e));
+  }
   slot = Slot{};
   free_.push_back(s);
 }
 
+void StatePool::Drop(SlotId s) {
+  Slot& slot = slots_[s];
+  Evictable(s).erase(KeyOf(s));
+  const NodeId node = slot.node;
+  if (events_ != nullptr) events_->PushRemoved(0, tree_->Hash(node), group_);
+  tree_->SetBlock(node, column_, kNullBlock);
+  if (tree_->IsEmpty(node) && tree_->IsLeaf(node)) tree_->PruneUp(node);
+  --(IsSecondary(s) ? num_cached_secondary_ : num_cached_);
+  ++evicted_;
+  slot = Slot{};
+  (IsSecondary(s) ? free_secondary_ : free_).push_back(s);
+}
+
 std::int64_t StatePool::DropAll() {
   std::int64_t n = 0;
-  while (!evictable_.empty()) {
-    Evict(std::get<2>(*evictable_.begin()));
-    ++n;
+  for (std::set<Key>* set : {&evictable_, &evictable_secondary_}) {
+    while (!set->empty()) {
+      Drop(std::get<2>(*set->begin()));
+      ++n;
+    }
   }
   return n;
 }
@@ -173,19 +237,27 @@ void StatePool::CheckInvariants(std::int64_t expected_working, std::int64_t expe
                                 std::int64_t expected_holds) const {
   std::int64_t working = 0;
   std::int64_t pending = 0;
-  std::int64_t cached = 0;
+  std::int64_t cached[2] = {0, 0};
+  std::int64_t unheld[2] = {0, 0};
   std::int64_t holds = 0;
-  std::int64_t unheld = 0;
   std::vector<char> is_free(slots_.size(), 0);
-  for (const SlotId s : free_) {
-    KVC_CHECK(is_free[static_cast<std::size_t>(s)] == 0, detail::Concat("state group ", group_, ": slot ", s, " freed twice"));
-    is_free[static_cast<std::size_t>(s)] = 1;
+  for (const std::vector<SlotId>* list : {&free_, &free_secondary_}) {
+    for (const SlotId s : *list) {
+      KVC_CHECK(is_free[static_cast<std::size_t>(s)] == 0,
+                detail::Concat("state group ", group_, ": slot ", s, " freed twice"));
+      KVC_CHECK((list == &free_secondary_) == IsSecondary(s),
+                detail::Concat("state group ", group_, ": slot ", s, " in the other level's free list"));
+      is_free[static_cast<std::size_t>(s)] = 1;
+    }
   }
   for (std::size_t i = 0; i < slots_.size(); ++i) {
     const Slot& slot = slots_[i];
     const auto s = static_cast<SlotId>(i);
+    const int level = IsSecondary(s) ? 1 : 0;
     KVC_CHECK((slot.state == State::kFree) == (is_free[i] != 0),
               detail::Concat("state group ", group_, ": slot ", s, " is free but not in the free list, or the reverse"));
+    KVC_CHECK(level == 0 || slot.state == State::kFree || slot.state == State::kCached,
+              detail::Concat("state group ", group_, ": host slot ", s, " is a working or pending slot"));
     switch (slot.state) {
       case State::kFree:
         break;
@@ -196,13 +268,13 @@ void StatePool::CheckInvariants(std::int64_t expected_working, std::int64_t expe
         ++pending;
         break;
       case State::kCached:
-        ++cached;
+        ++cached[level];
         holds += slot.holds;
         KVC_CHECK(tree_->Alive(slot.node) && tree_->Block(slot.node, column_) == s,
                   detail::Concat("state group ", group_, ": checkpoint slot ", s, " is not at its tree node"));
-        KVC_CHECK((evictable_.count(KeyOf(s)) != 0) == (slot.holds == 0),
+        KVC_CHECK((Evictable(s).count(KeyOf(s)) != 0) == (slot.holds == 0),
                   detail::Concat("state group ", group_, ": checkpoint slot ", s, " evictable set disagrees with its holds"));
-        if (slot.holds == 0) ++unheld;
+        if (slot.holds == 0) ++unheld[level];
         break;
     }
   }
@@ -210,10 +282,13 @@ void StatePool::CheckInvariants(std::int64_t expected_working, std::int64_t expe
             detail::Concat("state group ", group_, ": ", working, " working slots, sequences hold ", expected_working));
   KVC_CHECK(pending == num_pending_ && pending == expected_pending,
             detail::Concat("state group ", group_, ": ", pending, " pending checkpoints, sequences hold ", expected_pending));
-  KVC_CHECK(cached == num_cached_, detail::Concat("state group ", group_, ": cached count drifted"));
-  KVC_CHECK(holds == expected_holds, detail::Concat("state group ", group_, ": ", holds, " holds, queued copies read ",
+  KVC_CHECK(cached[0] == num_cached_ && cached[1] == num_cached_secondary_,
+            detail::Concat("state group ", group_, ": cached count drifted"));
+  KVC_CHECK(holds == expected_holds, detail::Concat("state group ", group_, ": ", holds, " holds, expected ",
                                                     expected_holds));
-  KVC_CHECK(static_cast<std::size_t>(unheld) == evictable_.size(), detail::Concat("state group ", group_, ": stale LRU entries"));
+  KVC_CHECK(static_cast<std::size_t>(unheld[0]) == evictable_.size() &&
+                static_cast<std::size_t>(unheld[1]) == evictable_secondary_.size(),
+            detail::Concat("state group ", group_, ": stale LRU entries"));
 }
 
 }  // namespace kvcache

@@ -140,6 +140,7 @@ class KVCacheManager:
         shared_cache_queue_bytes: typing.SupportsIndex = 67108864,
         recurrent_layers: typing.Any = [],
         state_slots: typing.SupportsInt | typing.SupportsIndex = 0,
+        state_secondary_slots: typing.SupportsInt | typing.SupportsIndex = 0,
         checkpoint_policy: typing.Any = None,
     ) -> None: ...
     def _add_generated(self, request_ids: typing.Any, generated: list, bases: list) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 from kvcache import _core
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.sizing import blocks_per_window as _blocks_per_window
+from kvcache.sizing import pool_shares as _pool_shares
 from kvcache.sizing import state_slots as _state_slots
 from kvcache.sizing import window_sizes as _window_sizes
 
@@ -116,7 +117,9 @@ class KvCacheStats:
     (being written), ``cached_checkpoints`` and ``free_state_slots``;
     ``checkpoints_stored`` / ``_restored`` (hits resumed from one) / ``_skipped`` (not taken:
     no slot to spare, a chunk straddled the position, or the chain was not stored) /
-    ``_evicted``. Why matched prompt tokens were not reused, summed over admissions:
+    ``_evicted`` (dropped); with host slots ``checkpoints_offloaded`` (moved to the host by an
+    eviction), ``checkpoints_onboarded`` (hits restored from the host) and
+    ``host_cached_checkpoints``. Why matched prompt tokens were not reused, summed over admissions:
     ``lost_hit_tokens_attention`` (full-attention blocks evicted),
     ``lost_hit_tokens_sliding_window`` (a sliding window's blocks evicted) and
     ``lost_hit_tokens_no_checkpoint`` (no state checkpoint at the position).
@@ -156,6 +159,9 @@ class KvCacheStats:
     checkpoints_restored: int = 0
     checkpoints_skipped: int = 0
     checkpoints_evicted: int = 0
+    checkpoints_offloaded: int = 0
+    checkpoints_onboarded: int = 0
+    host_cached_checkpoints: int = 0
     lost_hit_tokens_attention: int = 0
     lost_hit_tokens_sliding_window: int = 0
     lost_hit_tokens_no_checkpoint: int = 0
@@ -253,7 +259,7 @@ def _native_kwargs(
     max_seq_len: int,
     max_batch_size: int,
     max_draft_tokens: int,
-    state_slots: int = 0,
+    state_slots: int | tuple[int, int] = 0,
 ) -> dict[str, Any]:
     """The native constructor's keyword arguments. The recurrent-state ones
     (``recurrent_layers``, ``state_slots``, ``checkpoint_policy``) are passed only for a model
@@ -292,14 +298,21 @@ def _native_kwargs(
     dtypes = config.kv_dtype_per_layer(model, max_seq_len)
     state: dict[str, Any] = {}
     if model.recurrent_layers > 0:
-        if isinstance(state_slots, bool) or not isinstance(state_slots, int):
-            raise ValueError(f"state_slots must be an int, got {state_slots!r}")
+        secondary = 0
+        if isinstance(state_slots, tuple) and len(state_slots) == 2:
+            state_slots, secondary = state_slots
+        for name, v in (("state_slots", state_slots), ("state secondary slots", secondary)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(
+                    f"{name} must be an int or a (primary, secondary) pair of ints, got {v!r}"
+                )
         state = {
             "recurrent_layers": [
                 [(list(t.shape), t.dtype) for t in model.recurrent_state]
                 for _ in range(model.recurrent_layers)
             ],
             "state_slots": state_slots,
+            "state_secondary_slots": secondary,
             "checkpoint_policy": config.checkpoint_policy(),
         }
     return {
@@ -464,7 +477,23 @@ class KVCacheManager(_core.KVCacheManager):
                 max_draft_tokens=_draft_for_sizing(max_draft_tokens),
                 process_group=process_group,
             )
-        self._init(model, config, sized, max_seq_len, max_batch_size, max_draft_tokens, slots)
+        host_slots = 0
+        if model.recurrent_layers > 0 and config.host_cache_size > 0:
+            # The state pool's share of the host budget holds offloaded checkpoints.
+            _, state_share = _pool_shares(
+                model,
+                config,
+                max_seq_len,
+                primary_bytes=primary_bytes,
+                max_batch_size=max_batch_size,
+                max_draft_tokens=_draft_for_sizing(max_draft_tokens),
+            )
+            host_slots = int(config.host_cache_size * state_share) // (
+                model.state_bytes_per_sequence()
+            )
+        self._init(
+            model, config, sized, max_seq_len, max_batch_size, max_draft_tokens, (slots, host_slots)
+        )
 
     def _init(
         self,
@@ -474,7 +503,7 @@ class KVCacheManager(_core.KVCacheManager):
         max_seq_len: int,
         max_batch_size: int,
         max_draft_tokens: int,
-        state_slots: int = 0,
+        state_slots: int | tuple[int, int] = 0,
     ) -> None:
         kwargs = _native_kwargs(
             model, config, blocks, max_seq_len, max_batch_size, max_draft_tokens, state_slots
@@ -496,7 +525,7 @@ class KVCacheManager(_core.KVCacheManager):
         max_seq_len: int,
         max_batch_size: int,
         max_draft_tokens: int = 0,
-        state_slots: int | None = None,
+        state_slots: int | tuple[int, int] | None = None,
     ) -> KVCacheManager:
         """Builds a manager with exact block counts per window (tests, simulations).
 
@@ -510,7 +539,8 @@ class KVCacheManager(_core.KVCacheManager):
             max_batch_size: Most sequences registered at once.
             max_draft_tokens: See ``__init__``.
             state_slots: Slots of each recurrent state pool (models with recurrent layers; more
-                than ``max_batch_size``); ``None``: ``config.state_slots``, else
+                than ``max_batch_size``), or a (primary, secondary) pair: secondary (host)
+                slots receive evicted checkpoints; ``None``: ``config.state_slots``, else
                 ``2 * max_batch_size + 2``. Ignored for attention-only models.
         """
         if state_slots is None:

@@ -986,7 +986,7 @@ def blocks_per_window(
     tpb = config.tokens_per_block
     bpt = bytes_per_token(model, config, max_seq_len)
     policy, source = resolve_share_policy(config.window_size_shares)
-    shares, state_share = _pool_fractions(
+    shares, _ = _pool_fractions(
         bpt,
         model.state_bytes_per_sequence(),
         policy,
@@ -1002,9 +1002,9 @@ def blocks_per_window(
         max_draft_tokens=max_draft_tokens,
         fixed_slots=config.state_slots if model.recurrent_layers > 0 else None,
     )
-    # The secondary (host) tiers hold offloaded KV blocks only: the windows split all of them.
-    rest = 1 - state_share if state_share < 1 else Fraction(1)
-    secondary_shares = {w: f / rest for w, f in shares.items()}
+    # The secondary (host) budget splits like the primary one: the state pool's share of it
+    # holds offloaded checkpoints (KVCacheManager's state_secondary_slots).
+    secondary_shares = dict(shares)
     windows = list(bpt)
     cap: int | None = None
     if config.max_tokens is not None:

@@ -345,3 +345,57 @@ TEST(Checkpoints, SlidingWindowMustServeTheShorterPrefix) {
 
 }  // namespace
 }  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+TEST(Checkpoints, EvictedCheckpointsMoveToTheHostAndRestoreFromThere) {
+  // 3 primary slots for 1 sequence: one working, two for checkpoints; 2 host slots.
+  ManagerConfig c = HybridConfig(3, 1);
+  c.state_secondary_slots = 2;
+  c.checkpoint_policy.finish = false;
+  c.event_buffer_max_size = 100;
+  KVCacheManager m(Hybrid(), c);
+  // Four prompts with distinct first blocks, each leaving its prompt-end checkpoint at 4.
+  for (std::int32_t id = 0; id < 4; ++id) {
+    const std::vector<TokenId> p = Iota(6, 100 * id);
+    Add(m, id, p, 4);
+    WriteSlot(m, m.GetStateSlot(id, 0), static_cast<float>(id + 1));
+    CopyCheckpoints(m);
+    m.Prefill(id, 2);
+    m.RemoveSequence(id);
+    m.CheckInvariants();
+  }
+  // Slot 0 is every sequence's working slot; the checkpoints of prompts 0 and 1 took slots 1
+  // and 2, and each later one evicted the oldest primary checkpoint to the host (slots 3, 4).
+  KvCacheStats s = m.GetStats();
+  EXPECT_EQ(s.checkpoints_stored, 4);
+  EXPECT_EQ(s.cached_checkpoints, 2);
+  EXPECT_EQ(s.host_cached_checkpoints, 2);
+  EXPECT_EQ(s.checkpoints_offloaded, 2);
+  EXPECT_EQ(s.checkpoints_evicted, 0);
+  // Prompt 0's checkpoint is on the host: a hit restores it straight into the working slot.
+  std::vector<TokenId> again = Iota(4, 0);
+  again.push_back(900);
+  again.push_back(901);
+  EXPECT_EQ(Add(m, 9, again, std::nullopt), 4);
+  EXPECT_EQ(m.GetStateSlot(9, 0), 0);
+  EXPECT_EQ(ReadSlot(m, 0), std::vector<float>(6, 1.0f));
+  EXPECT_EQ(m.GetStats().checkpoints_onboarded, 1);
+  std::int32_t moved = 0;
+  for (const KVCacheEvent& e : m.GetLatestEvents(0)) {
+    if (e.kind == EventKind::kUpdated && e.state_group == 0) {
+      EXPECT_EQ(e.cache_level, std::make_optional(std::make_pair(0, 1)));
+      ++moved;
+    }
+  }
+  EXPECT_EQ(moved, 2);
+  m.RemoveSequence(9);
+  EXPECT_TRUE(m.ResetPrefixCache());
+  s = m.GetStats();
+  EXPECT_EQ(s.cached_checkpoints + s.host_cached_checkpoints, 0);
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache

@@ -223,7 +223,20 @@ def test_equal_shares_give_the_state_pool_one_share() -> None:
     assert pool_shares(model, config, 32768) == ({32768: 0.5}, 0.5)
     # 8 GiB of 51,511,296-byte slots; 8 GiB of 32 x 32,768-byte blocks for the window.
     assert state_slots(model, config, 32768, 16 * GIB, max_batch_size=32) == 166
-    assert blocks_per_window(model, config, 32768, 16 * GIB, GIB) == {32768: (8192, 1024)}
+    # The host budget splits the same way: half for offloaded blocks, half for checkpoints.
+    assert blocks_per_window(model, config, 32768, 16 * GIB, GIB) == {32768: (8192, 512)}
+
+
+def test_the_state_pool_gets_its_share_of_the_host_cache() -> None:
+    from kvcache import KVCacheManager
+
+    model, config = qwen(window_size_shares="equal", host_cache_size=GIB, backend="virtual")
+    m = KVCacheManager(model, config, max_seq_len=32768, max_batch_size=32, primary_bytes=16 * GIB)
+    (group,) = m.state_groups()
+    assert (
+        (group["num_slots"], group["num_secondary"]) == (166, GIB // 2 // 51_511_296) == (166, 10)
+    )
+    assert m.blocks_per_window == {32768: (8192, 512)}
 
 
 def test_auto_shares_reserve_two_slots_per_sequence() -> None:

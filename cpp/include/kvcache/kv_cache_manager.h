@@ -112,6 +112,8 @@ struct ManagerConfig {
   /// (max_batch_size of them are always kept available) plus checkpoints. Required with
   /// recurrent layers, > max_batch_size.
   std::int32_t state_slots = 0;
+  /// Host slots of each state group: an evicted checkpoint is moved there (0: dropped).
+  std::int32_t state_secondary_slots = 0;
   CheckpointPolicy checkpoint_policy;
 };
 
@@ -165,6 +167,11 @@ struct KvCacheStats {
   std::int64_t checkpoints_restored = 0;
   std::int64_t checkpoints_skipped = 0;
   std::int64_t checkpoints_evicted = 0;
+  /// Checkpoints moved to host slots by an eviction, hits restored from a host slot, and the
+  /// checkpoints cached on the host now.
+  std::int64_t checkpoints_offloaded = 0;
+  std::int64_t checkpoints_onboarded = 0;
+  std::int64_t host_cached_checkpoints = 0;
   /// Why prompt tokens that the tree's keys matched were not reused (add_sequence, summed over
   /// admissions): full-attention blocks evicted, a sliding window's blocks evicted, no state
   /// checkpoint at the position (or none that could be held for the restore).
@@ -179,6 +186,7 @@ struct StateGroupInfo {
   std::vector<StateTensorSpec> tensors;
   std::size_t slot_bytes = 0;
   std::int32_t num_slots = 0;
+  std::int32_t num_secondary = 0;  ///< Host slots (ids after the primary ones).
   std::uintptr_t ptr = 0;
 };
 
@@ -1025,6 +1033,7 @@ class KVCacheManager {
     std::int64_t stored = 0;
     std::int64_t restored = 0;
     std::int64_t skipped = 0;
+    std::int64_t onboarded = 0;
     std::int64_t lost_attention = 0;
     std::int64_t lost_sliding = 0;
     std::int64_t lost_checkpoint = 0;

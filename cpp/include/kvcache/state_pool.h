@@ -70,25 +70,36 @@ struct StateCopy {
 /// The slots of one state group: free, working (a live sequence's state), pending (a checkpoint a
 /// live sequence is writing) or cached (a checkpoint in the reuse tree, evictable unless held).
 /// Cached checkpoints sit in column `column` of the reuse tree at the node whose tokens end at
-/// the checkpoint position; they leave by LRU within retention priority. Not thread-safe.
+/// the checkpoint position; they leave by LRU within retention priority. With secondary (host)
+/// slots, ids [num_slots, num_slots + num_secondary), an evicted checkpoint is copied to the host
+/// (evicting the host's least valuable one when it is full) and a hit restores from there
+/// directly into the working slot. Not thread-safe.
 class StatePool {
  public:
   /// `events` (may be null) receives a stored event per cached checkpoint and a removed event
   /// per evicted one.
-  StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, MemoryBackend* backend,
-            ReuseTree* tree, std::int32_t column, EventLog* events);
+  StatePool(StateGroupLayout layout, std::int32_t group, std::int32_t num_slots, std::int32_t num_secondary,
+            MemoryBackend* backend, ReuseTree* tree, std::int32_t column, EventLog* events);
   ~StatePool();
   StatePool(const StatePool&) = delete;
   StatePool& operator=(const StatePool&) = delete;
 
   const StateGroupLayout& layout() const { return layout_; }
-  std::int32_t num_slots() const { return static_cast<std::int32_t>(slots_.size()); }
+  /// Primary slots (working states and checkpoints); secondary ids follow them.
+  std::int32_t num_slots() const { return num_primary_; }
+  std::int32_t num_secondary() const { return static_cast<std::int32_t>(slots_.size()) - num_primary_; }
+  bool IsSecondary(SlotId s) const { return s >= num_primary_; }
+  /// Where slot `s` lives (nullptr without memory) and on which level.
+  void* Address(SlotId s) const;
+  CacheLevel Level(SlotId s) const { return IsSecondary(s) ? CacheLevel::kSecondary : CacheLevel::kPrimary; }
   std::int32_t column() const { return column_; }
   void* memory() const { return memory_; }
   /// Slots that can be taken now: free ones plus cached checkpoints that are not held.
   std::int32_t NumAvailable() const { return static_cast<std::int32_t>(free_.size() + evictable_.size()); }
   std::int32_t NumFree() const { return static_cast<std::int32_t>(free_.size()); }
   std::int32_t NumCached() const { return num_cached_; }
+  std::int32_t NumCachedSecondary() const { return num_cached_secondary_; }
+  std::int64_t offloaded() const { return offloaded_; }
   std::int32_t NumWorking() const { return num_working_; }
   std::int32_t NumPending() const { return num_pending_; }
 
@@ -127,7 +138,13 @@ class StatePool {
   };
   using Key = std::tuple<int, std::uint64_t, SlotId>;  // (priority, last use, slot): evicted first
   Key KeyOf(SlotId s) const { return Key{slots_[s].priority, slots_[s].stamp, s}; }
+  std::set<Key>& Evictable(SlotId s) { return IsSecondary(s) ? evictable_secondary_ : evictable_; }
+  const std::set<Key>& Evictable(SlotId s) const { return IsSecondary(s) ? evictable_secondary_ : evictable_; }
+  /// Evicts cached checkpoint `s`: a primary one moves to the host when the host has (or can
+  /// free) a slot, else it is dropped; a secondary one is dropped.
   void Evict(SlotId s);
+  /// Drops cached checkpoint `s` from the tree and frees its slot.
+  void Drop(SlotId s);
 
   StateGroupLayout layout_;
   std::int32_t group_;
@@ -136,9 +153,15 @@ class StatePool {
   std::int32_t column_;
   EventLog* events_;
   void* memory_ = nullptr;
+  void* host_ = nullptr;  // secondary slots
+  std::int32_t num_primary_ = 0;
   std::vector<Slot> slots_;
   std::vector<SlotId> free_;
+  std::vector<SlotId> free_secondary_;
   std::set<Key> evictable_;
+  std::set<Key> evictable_secondary_;
+  std::int32_t num_cached_secondary_ = 0;
+  std::int64_t offloaded_ = 0;
   std::uint64_t clock_ = 0;
   std::int32_t num_cached_ = 0;
   std::int32_t num_working_ = 0;
