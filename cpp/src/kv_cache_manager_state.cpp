@@ -247,7 +247,13 @@ void KVCacheManager::TakeCheckpoint(Sequence& seq, std::int32_t position, bool r
       return;
     }
   }
-  if (!StateSlack(1, sequences_.size())) {
+  // A decoding sequence's first rolling checkpoint takes a free slot only, never evicting a
+  // cached checkpoint for a state that may never be reused, unless this boundary is the last
+  // one the sequence will reach (its final length is known: SetFinalTokens).
+  const bool evict = !rolling || (seq.final_tokens > 0 && position == (seq.final_tokens - 1) / tpb_ * tpb_);
+  bool room = StateSlack(1, sequences_.size());
+  for (const auto& pool : states_) room = room && (evict || pool->NumFree() > 0);
+  if (!room) {
     ++state_counters_.skipped;
     return;
   }

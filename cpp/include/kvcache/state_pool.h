@@ -36,7 +36,9 @@ struct CheckpointPolicy {
   bool prompt_end = true;
   /// At every block boundary a decoding sequence reaches, in one slot per sequence that each
   /// boundary overwrites; stored when the sequence ends (multi-turn chat resumes there). One
-  /// state copy per tokens_per_block decoded tokens per sequence.
+  /// state copy per tokens_per_block decoded tokens per sequence. The slot is taken only from
+  /// free slots (no cached checkpoint is evicted for it), except at the last boundary of a
+  /// sequence whose final length is known.
   bool finish = true;
   /// At the end of the attention prefix a lookup matched past the deepest checkpoint there: the
   /// next request that shares that prefix resumes from it (Marconi-style admission).
