@@ -176,7 +176,7 @@ void KVCacheManager::AdmitState(Sequence& seq, const ReusePlan& plan, std::int32
     CopySlot(g, src, working);
     if (src != kNoSlot) {
       pool.Unhold(src);
-      pool.Touch(src);
+      pool.Touch(src, /*hit=*/true);
     }
   }
   if (hit) {
@@ -330,7 +330,7 @@ void KVCacheManager::StoreCheckpoints(Sequence& seq, std::int32_t key_len, bool 
         pool.Cache(slot, node, seq.priority, checkpoint_policy_.max_per_path, seq.extras.lora_task_id);
       } else {
         pool.Free(slot);  // another sequence stored this prefix's state first
-        pool.Touch(pool.CheckpointAt(node));
+        pool.Touch(pool.CheckpointAt(node), /*hit=*/false);
       }
       seq.states[g].pending.erase(seq.states[g].pending.begin() + static_cast<std::ptrdiff_t>(k));
     }
@@ -368,18 +368,27 @@ void KVCacheManager::ForkState(const Sequence& parent, Sequence& child) {
 }
 
 std::int32_t KVCacheManager::ChunkLimitOf(const std::vector<std::int32_t>& plan, std::int32_t from,
-                                          std::int32_t num_tokens) const {
+                                          std::int32_t num_tokens, std::int32_t prompt_len) const {
+  std::int32_t limit = num_tokens;
   for (const std::int32_t p : plan) {
-    if (p > from) return std::min(num_tokens, p - from);
+    if (p > from) {
+      limit = std::min(num_tokens, p - from);
+      break;
+    }
   }
-  return num_tokens;
+  // chunk_end (vLLM's align mode): a chunk that does not end the prompt ends on a boundary.
+  if (checkpoint_policy_.chunk_end && reuse_ && !states_.empty() && from + limit < prompt_len) {
+    const std::int32_t aligned = (from + limit) / tpb_ * tpb_;
+    if (aligned > from) limit = aligned - from;
+  }
+  return limit;
 }
 
 std::int32_t KVCacheManager::GetChunkLimit(SeqId id, std::int32_t num_tokens) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Sequence& seq = Find(id);
   if (num_tokens < 1) ThrowInvalid("get_chunk_limit: num_tokens must be >= 1, got ", num_tokens);
-  return ChunkLimitOf(seq.checkpoint_plan, seq.num_tokens, num_tokens);
+  return ChunkLimitOf(seq.checkpoint_plan, seq.num_tokens, num_tokens, seq.prompt_len);
 }
 
 std::int32_t KVCacheManager::GetPromptChunkLimit(const PreparedPrompt& prompt, std::int32_t num_tokens) const {
@@ -390,7 +399,7 @@ std::int32_t KVCacheManager::GetPromptChunkLimit(const PreparedPrompt& prompt, s
   const ReusePlan& plan = PlanReuse(prompt.tokens.data(), prompt.tokens.size(), prompt.extras, &prompt);
   std::vector<std::int32_t> positions;
   PlanCheckpoints(static_cast<std::int32_t>(prompt.tokens.size()), plan.reused_tokens, plan.attention_blocks, &positions);
-  return ChunkLimitOf(positions, plan.reused_tokens, num_tokens);
+  return ChunkLimitOf(positions, plan.reused_tokens, num_tokens, static_cast<std::int32_t>(prompt.tokens.size()));
 }
 
 ReusableByKind KVCacheManager::GetReusableByKind(const PreparedPrompt& prompt) const {

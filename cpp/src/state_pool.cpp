@@ -90,7 +90,7 @@ SlotId StatePool::Take(bool pending) {
     s = free_.back();
     free_.pop_back();
   } else if (!evictable_.empty()) {
-    s = std::get<2>(*evictable_.begin());
+    s = std::get<3>(*evictable_.begin());
     Evict(s);
     KVC_CHECK(!free_.empty() && free_.back() == s, "an evicted checkpoint's slot was not freed");
     free_.pop_back();
@@ -149,10 +149,11 @@ void StatePool::Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_
   if (on_path > max_per_path && shallowest != kNoSlot) Drop(shallowest);
 }
 
-void StatePool::Touch(SlotId s) {
+void StatePool::Touch(SlotId s, bool hit) {
   Slot& slot = slots_[s];
   if (slot.holds == 0) Evictable(s).erase(KeyOf(s));
   slot.stamp = ++clock_;
+  slot.hit = slot.hit || hit;
   if (slot.holds == 0) Evictable(s).insert(KeyOf(s));
 }
 
@@ -180,7 +181,7 @@ void StatePool::Evict(SlotId s) {
       Drop(s);
       return;
     }
-    Drop(std::get<2>(*evictable_secondary_.begin()));
+    Drop(std::get<3>(*evictable_secondary_.begin()));
   }
   const SlotId h = free_secondary_.back();
   free_secondary_.pop_back();
@@ -226,7 +227,7 @@ std::int64_t StatePool::DropAll() {
   std::int64_t n = 0;
   for (std::set<Key>* set : {&evictable_, &evictable_secondary_}) {
     while (!set->empty()) {
-      Drop(std::get<2>(*set->begin()));
+      Drop(std::get<3>(*set->begin()));
       ++n;
     }
   }

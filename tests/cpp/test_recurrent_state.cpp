@@ -399,3 +399,56 @@ TEST(Checkpoints, EvictedCheckpointsMoveToTheHostAndRestoreFromThere) {
 
 }  // namespace
 }  // namespace kvcache
+
+namespace kvcache {
+namespace {
+
+TEST(Checkpoints, ChunkEndAlignsChunksThatDoNotEndThePrompt) {
+  ManagerConfig c = HybridConfig(6);
+  c.checkpoint_policy = CheckpointPolicy{};
+  c.checkpoint_policy.prompt_end = false;
+  c.checkpoint_policy.finish = false;
+  c.checkpoint_policy.junction = false;
+  c.checkpoint_policy.chunk_end = true;
+  KVCacheManager m(Hybrid(), c);
+  const std::vector<TokenId> a = Iota(30);
+  const PreparedPrompt pa = m.Prepare(a.data(), a.size(), {});
+  EXPECT_EQ(m.GetPromptChunkLimit(pa, 10), 8);   // [0, 10) -> [0, 8)
+  EXPECT_EQ(m.GetPromptChunkLimit(pa, 30), 30);  // the last chunk is not cut
+  EXPECT_EQ(m.GetPromptChunkLimit(pa, 3), 3);    // no boundary inside: unchanged
+  Add(m, 1, a, 8);
+  EXPECT_EQ(m.GetStats().pending_checkpoints, 1);  // at 8, where the chunk ended
+  EXPECT_EQ(m.GetChunkLimit(1, 13), 12);
+  m.CheckInvariants();
+}
+
+TEST(Checkpoints, CheckpointsThatServedAHitAreEvictedLast) {
+  // 4 slots, 1 sequence at a time: the working slot and 3 for checkpoints.
+  ManagerConfig c = HybridConfig(4, 1);
+  c.checkpoint_policy.finish = false;
+  KVCacheManager m(Hybrid(), c);
+  auto run = [&](SeqId id, const std::vector<TokenId>& p, std::int32_t first) {
+    Add(m, id, p, first);
+    CopyCheckpoints(m);
+    while (m.NumTokens(id) < static_cast<std::int32_t>(p.size())) {
+      m.Prefill(id, m.GetChunkLimit(id, static_cast<std::int32_t>(p.size()) - m.NumTokens(id)));
+      CopyCheckpoints(m);
+    }
+    m.RemoveSequence(id);
+  };
+  run(0, Iota(9), 8);  // checkpoint at 8 (prompt end), later hit
+  std::vector<TokenId> b = Iota(8);
+  b.push_back(500);
+  EXPECT_EQ(m.GetReusablePrefixLength(b.data(), b.size(), {}), 8);
+  run(1, b, 1);  // hits the checkpoint at 8: it served a hit
+  EXPECT_EQ(m.GetStats().checkpoints_restored, 1);
+  // Three prompts with unique first blocks leave three never-hit checkpoints; the pool keeps
+  // three cached, so the two older unique ones are evicted and the hit one stays.
+  for (SeqId id = 2; id < 5; ++id) run(id, Iota(9, 1000 * static_cast<TokenId>(id)), 8);
+  EXPECT_EQ(m.GetStats().cached_checkpoints, 3);
+  EXPECT_EQ(m.GetReusablePrefixLength(b.data(), b.size(), {}), 8);
+  m.CheckInvariants();
+}
+
+}  // namespace
+}  // namespace kvcache

@@ -930,7 +930,10 @@ class KVCacheManager {
   /// `attention_blocks` blocks in the windows.
   void PlanCheckpoints(std::int32_t n, std::int32_t reused, std::int32_t attention_blocks,
                        std::vector<std::int32_t>* out) const;
-  std::int32_t ChunkLimitOf(const std::vector<std::int32_t>& plan, std::int32_t from, std::int32_t num_tokens) const;
+  /// The chunk limit of a sequence at `from` tokens of a `prompt_len`-token prompt whose
+  /// checkpoint plan is `plan`.
+  std::int32_t ChunkLimitOf(const std::vector<std::int32_t>& plan, std::int32_t from, std::int32_t num_tokens,
+                            std::int32_t prompt_len) const;
   void CheckStateInvariants() const;
   void DropQueuedCopies(SeqId id);
   /// Rewind on a model with recurrent layers: the index of the ready checkpoint of `seq` at

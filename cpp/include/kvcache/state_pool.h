@@ -116,8 +116,9 @@ class StatePool {
   /// `priority`; with a per-path cap the shallowest checkpoint on the path beyond it is evicted.
   void Cache(SlotId s, NodeId node, int priority, std::int32_t max_per_path,
              std::optional<std::int64_t> lora_task_id = std::nullopt);
-  /// A hit uses checkpoint `s`: it becomes the most recently used of its priority.
-  void Touch(SlotId s);
+  /// Checkpoint `s` is used: it becomes the most recently used of its priority and segment;
+  /// `hit` (a restore from it) moves it to the segment of checkpoints that served a hit.
+  void Touch(SlotId s, bool hit);
   /// Holds (or lets go of) cached checkpoint `s` while a queued copy reads it: a held
   /// checkpoint is not evicted.
   void Hold(SlotId s);
@@ -136,10 +137,14 @@ class StatePool {
     NodeId node = kNoNode;
     std::int32_t holds = 0;
     int priority = kDefaultPriority;
+    bool hit = false;  ///< A cached checkpoint that served a restore.
     std::uint64_t stamp = 0;
   };
-  using Key = std::tuple<int, std::uint64_t, SlotId>;  // (priority, last use, slot): evicted first
-  Key KeyOf(SlotId s) const { return Key{slots_[s].priority, slots_[s].stamp, s}; }
+  /// (priority, served a hit, last use, slot): the smallest is evicted first, so within a
+  /// priority a checkpoint that never served a hit (a unique prompt's tail) goes before one
+  /// that did (a shared prefix's junction), each segment least recently used first.
+  using Key = std::tuple<int, bool, std::uint64_t, SlotId>;
+  Key KeyOf(SlotId s) const { return Key{slots_[s].priority, slots_[s].hit, slots_[s].stamp, s}; }
   std::set<Key>& Evictable(SlotId s) { return IsSecondary(s) ? evictable_secondary_ : evictable_; }
   const std::set<Key>& Evictable(SlotId s) const { return IsSecondary(s) ? evictable_secondary_ : evictable_; }
   /// Evicts cached checkpoint `s`: a primary one moves to the host when the host has (or can
