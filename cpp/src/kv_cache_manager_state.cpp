@@ -254,7 +254,9 @@ void KVCacheManager::TakeCheckpoint(Sequence& seq, std::int32_t position, bool r
   bool room = StateSlack(1, sequences_.size());
   for (const auto& pool : states_) room = room && (evict || pool->NumFree() > 0);
   if (!room) {
-    ++state_counters_.skipped;
+    // A rolling checkpoint refused a free slot is tried again at the next boundary: counted
+    // only at the last one.
+    if (!rolling || evict) ++state_counters_.skipped;
     return;
   }
   for (std::size_t g = 0; g < states_.size(); ++g) {
