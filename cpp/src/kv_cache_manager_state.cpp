@@ -418,7 +418,7 @@ ReusableByKind KVCacheManager::GetReusableByKind(const PreparedPrompt& prompt) c
 }
 
 std::int32_t KVCacheManager::RewindCheckpoint(const Sequence& seq, std::int32_t new_len) const {
-  if (states_.empty()) return -1;
+  if (states_.empty() || new_len == seq.num_tokens) return -1;  // dropping nothing restores nothing
   const std::vector<PendingCheckpoint>& first = seq.states[0].pending;
   for (std::size_t k = 0; k < first.size(); ++k) {
     if (first[k].ready && first[k].position == new_len) return static_cast<std::int32_t>(k);
