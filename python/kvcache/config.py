@@ -24,7 +24,73 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any
+
+from kvcache.fields import (
+    DTYPE_BYTES,
+    SHARE_POLICIES,
+)
+from kvcache.fields import (
+    INT32_MAX as _INT32_MAX,
+)
+from kvcache.fields import (
+    as_int as _as_int,
+)
+from kvcache.fields import (
+    bool_field as _bool,
+)
+from kvcache.fields import (
+    check_share_values as _check_share_values,
+)
+from kvcache.fields import (
+    choice as _choice,
+)
+from kvcache.fields import (
+    field_names as _field_names,
+)
+from kvcache.fields import (
+    is_int as _is_int,
+)
+from kvcache.fields import (
+    non_negative_int as _non_negative_int,
+)
+from kvcache.fields import (
+    optional_positive_int as _optional_positive_int,
+)
+from kvcache.fields import (
+    parse_share_text as _parse_share_text,
+)
+from kvcache.fields import (
+    per_layer as _per_layer,
+)
+from kvcache.fields import (
+    positive_int as _positive_int,
+)
+from kvcache.fields import (
+    positive_int32 as _positive_int32,
+)
+from kvcache.fields import (
+    priority as _priority,
+)
+from kvcache.fields import (
+    sequence as _sequence,
+)
+from kvcache.fields import (
+    to_plain as _to_plain,
+)
+from kvcache.fields import (
+    unknown_keys as _unknown_keys,
+)
+from kvcache.state_spec import (
+    CHECKPOINT_KINDS,
+    StateTensor,
+)
+from kvcache.state_spec import (
+    check_checkpoints as _check_checkpoints,
+)
+from kvcache.state_spec import (
+    check_recurrent_state as _check_recurrent_state,
+)
 
 __all__ = [
     "BACKENDS",
@@ -39,14 +105,6 @@ __all__ = [
     "StateTensor",
 ]
 
-#: Bytes per element of each supported KV cache dtype.
-DTYPE_BYTES: Mapping[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "int8": 1,
-}
 
 #: Memory backends accepted by ``KvCacheConfig.backend``.
 BACKENDS: tuple[str, ...] = ("auto", "cuda", "host", "virtual")
@@ -57,20 +115,9 @@ SWA_REUSE_POLICIES: tuple[str, ...] = ("invalidate", "placeholder")
 #: Window kinds accepted as ``KvCacheConfig.kv_cache_dtype`` keys (``None`` means ``"full"``).
 WINDOW_KINDS: tuple[str, ...] = ("full", "sliding")
 
-#: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
-SHARE_POLICIES: tuple[str, ...] = ("equal", "proportional", "auto")
-
-#: Where recurrent-state checkpoints may be taken (``KvCacheConfig.recurrent_checkpoints``).
-CHECKPOINT_KINDS: tuple[str, ...] = ("prompt_end", "finish", "junction", "chunk_end")
-
-# Most dimensions of one recurrent state tensor (``StateTensor.shape``).
-_MAX_STATE_DIMS = 4
 
 #: Default token budget of one engine step (``KvCacheConfig.max_num_batched_tokens``): vLLM's.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-_MIN_PRIORITY = 0
-_MAX_PRIORITY = 100
 
 
 # --------------------------------------------------------------------------------------
@@ -78,197 +125,9 @@ _MAX_PRIORITY = 100
 # --------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-_INT32_MAX = 2**31 - 1
-
-
-def _positive_int32(name: str, value: object) -> int:
-    """A positive int that the core's 32-bit field holds (layer counts, heads, head sizes)."""
-    n = _positive_int(name, value)
-    if n > _INT32_MAX:
-        raise ValueError(
-            f"{name} = {n} is out of range [1, {_INT32_MAX}]: the core stores it as a 32-bit "
-            "integer"
-        )
-    return n
-
-
-def _non_negative_int(name: str, value: object) -> int:
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
-
-
-def _optional_positive_int(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    return int(value)
-
-
-def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
-def _priority(name: str, value: object) -> int:
-    if not _is_int(value) or not _MIN_PRIORITY <= value <= _MAX_PRIORITY:
-        raise ValueError(
-            f"{name} must be an int in {_MIN_PRIORITY}..{_MAX_PRIORITY}, got {value!r}"
-        )
-    return int(value)
-
-
-def _choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value
-
-
-def _sequence(name: str, value: object) -> Sequence[object]:
-    """Lists, tuples and 1-D numpy arrays; never strings or mappings."""
-    if isinstance(value, (str, bytes, Mapping)):
-        raise ValueError(f"{name} must be a sequence, got {value!r}")
-    if isinstance(value, Sequence):
-        return value
-    if hasattr(value, "__iter__"):
-        return list(value)
-    raise ValueError(f"{name} must be a sequence, got {value!r}")
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _unknown_keys(cls_name: str, d: Mapping[str, Any], known: Sequence[str]) -> None:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{cls_name}.from_dict expects a mapping, got {type(d).__name__}")
-    unknown = sorted(str(k) for k in d if k not in known)
-    if unknown:
-        raise ValueError(
-            f"unknown {cls_name} field(s): {', '.join(unknown)} (known fields: {', '.join(known)})"
-        )
-
-
-def _to_plain(value: object) -> object:
-    """Tuples become lists and mappings dicts with text keys, so that ``to_dict`` output is
-    JSON/TOML/YAML friendly."""
-    if isinstance(value, tuple):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _to_plain(v) for k, v in value.items()}
-    return value
-
-
 # --------------------------------------------------------------------------------------
 # StateTensor
 # --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StateTensor:
-    """One state tensor of a recurrent layer (Mamba, Gated DeltaNet, short convolution).
-
-    A recurrent layer keeps a fixed-size state per sequence instead of per-token KV: a
-    convolution window and an SSM / delta-rule state. Each is one C-contiguous tensor.
-
-    Args:
-        name: What the tensor is, e.g. ``"conv"`` or ``"ssm"`` (non-empty).
-        shape: Its shape for one sequence: 1 to 4 positive ints (stored as a tuple).
-        dtype: Element type, one of ``float32``, ``float16``, ``bfloat16``, ``fp8``, ``int8``.
-
-    Raises:
-        ValueError: A field has the wrong type or is out of range; the message names it.
-
-    Example:
-        Qwen3.5-9B's Gated DeltaNet: a convolution over ``2 * 16 * 128 + 32 * 128 = 8192``
-        channels keeping ``4 - 1`` inputs, and a ``32 x 128 x 128`` float32 delta-rule state.
-
-        >>> conv = StateTensor("conv", (8192, 3), "bfloat16")
-        >>> rec = StateTensor("recurrent", [32, 128, 128], "float32")
-        >>> conv.nbytes, rec.nbytes, rec.shape
-        (49152, 2097152, (32, 128, 128))
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"StateTensor.name must be a non-empty str, got {self.name!r}")
-        items = _sequence(f"StateTensor {self.name!r} shape", self.shape)
-        if not 1 <= len(items) <= _MAX_STATE_DIMS:
-            raise ValueError(
-                f"StateTensor {self.name!r} shape must have 1 to {_MAX_STATE_DIMS} dimensions, "
-                f"got {len(items)}"
-            )
-        shape = tuple(
-            _positive_int32(f"StateTensor {self.name!r} shape[{i}]", _as_int(d))
-            for i, d in enumerate(items)
-        )
-        object.__setattr__(self, "shape", shape)
-        _choice(f"StateTensor {self.name!r} dtype", self.dtype, tuple(DTYPE_BYTES))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor for one sequence: the product of ``shape`` times the dtype's."""
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> StateTensor:
-        """Builds a tensor from ``{"name", "shape", "dtype"}``; other keys raise ``ValueError``.
-
-        Example:
-            >>> StateTensor.from_dict({"name": "conv", "shape": [6144, 3], "dtype": "bfloat16"})
-            StateTensor(name='conv', shape=(6144, 3), dtype='bfloat16')
-        """
-        known = _field_names(cls)
-        _unknown_keys(cls.__name__, d, known)
-        missing = [k for k in known if k not in d]
-        if missing:
-            raise ValueError(f"StateTensor needs {', '.join(missing)}; got {dict(d)!r}")
-        return cls(**dict(d))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (the shape as a list); ``from_dict(to_dict())`` round-trips."""
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-
-def _check_recurrent_state(value: object) -> tuple[StateTensor, ...]:
-    """``StateTensor`` items or ``{"name", "shape", "dtype"}`` mappings, as a tuple."""
-    name = "recurrent_state"
-    items = _sequence(name, value)
-    out: list[StateTensor] = []
-    for i, item in enumerate(items):
-        if isinstance(item, StateTensor):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            try:
-                out.append(StateTensor.from_dict(item))
-            except ValueError as e:
-                raise ValueError(f"{name}[{i}]: {e}") from None
-        else:
-            raise ValueError(
-                f"{name}[{i}] must be a StateTensor or a mapping with name, shape and dtype, "
-                f"got {item!r}"
-            )
-    names = [t.name for t in out]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"{name} names {', '.join(map(repr, twice))} more than once")
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------
@@ -510,24 +369,6 @@ class ModelConfig:
 _RECURRENT_FIELDS = ("recurrent_layers", "recurrent_state")
 
 
-def _per_layer(name: str, value: object, num_layers: int, what: str) -> Sequence[object]:
-    items = _sequence(name, value)
-    if len(items) != num_layers:
-        article = "an" if what == "int" else "a"
-        raise ValueError(
-            f"{name} must be {article} {what} or a sequence of num_layers={num_layers} "
-            f"{what}s, got {len(items)} entries"
-        )
-    return items
-
-
-def _as_int(value: object) -> object:
-    """numpy integers become ints; anything else is returned unchanged for the check."""
-    if not isinstance(value, (int, bool)) and hasattr(value, "__index__"):
-        return int(value.__index__())
-    return value
-
-
 # --------------------------------------------------------------------------------------
 # KvCacheConfig
 # --------------------------------------------------------------------------------------
@@ -545,45 +386,6 @@ def _check_window_pattern(value: object) -> tuple[int | None, ...] | None:
         if w is not None and (not _is_int(w) or w <= 0):
             raise ValueError(f"max_attention_window[{i}] must be a positive int or None, got {w!r}")
         out.append(None if w is None else int(w))
-    return tuple(out)
-
-
-def _parse_share_text(name: str, text: str) -> str | tuple[float, ...]:
-    """A policy name, or comma-separated numbers validated like a sequence.
-
-    ``name`` is the source shown in error messages (a field or an environment variable).
-    """
-    stripped = text.strip()
-    if stripped in SHARE_POLICIES:
-        return stripped
-    values: list[float] = []
-    for i, part in enumerate(stripped.split(",")):
-        try:
-            values.append(float(part.strip()))
-        except ValueError:
-            raise ValueError(
-                f"{name}: expected one of {', '.join(map(repr, SHARE_POLICIES))} or "
-                f"comma-separated numbers, but entry {i} is {part.strip()!r}"
-            ) from None
-    return _check_share_values(name, values)
-
-
-def _check_share_values(name: str, values: Sequence[object]) -> tuple[float, ...]:
-    """Shares must be finite numbers >= 0 with a positive sum; ``name`` is the source."""
-    out: list[float] = []
-    for i, v in enumerate(values):
-        if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
-            raise ValueError(f"{name}: entry {i} must be a number, got {v!r}")
-        f = float(v)
-        if not math.isfinite(f):
-            raise ValueError(f"{name}: entry {i} is {f}; shares must be finite numbers >= 0")
-        if f < 0:
-            raise ValueError(f"{name}: entry {i} is negative ({f}); shares must be >= 0")
-        out.append(f)
-    if not out:
-        raise ValueError(f"{name}: no shares given")
-    if sum(out) <= 0:
-        raise ValueError(f"{name}: shares are all zero; their sum must be positive")
     return tuple(out)
 
 
@@ -1036,22 +838,6 @@ _STATE_POOL_FIELDS = (
     "recurrent_checkpoint_interval",
     "max_checkpoints_per_path",
 )
-
-
-def _check_checkpoints(value: object) -> tuple[str, ...]:
-    """Checkpoint kinds from a sequence or comma-separated text, in CHECKPOINT_KINDS order."""
-    name = "recurrent_checkpoints"
-    if isinstance(value, str):
-        items: Sequence[object] = [p.strip() for p in value.split(",") if p.strip()]
-    else:
-        items = _sequence(name, value)
-    seen: set[str] = set()
-    for i, item in enumerate(items):
-        kind = _choice(f"{name}[{i}]", item, CHECKPOINT_KINDS)
-        if kind in seen:
-            raise ValueError(f"{name} names {kind!r} twice")
-        seen.add(kind)
-    return tuple(k for k in CHECKPOINT_KINDS if k in seen)
 
 
 def _hashable(value: object) -> object:
