@@ -72,8 +72,8 @@ full-attention layers with 4 KV heads x 256 (bfloat16: 4,096 bytes per token per
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import subprocess
 import sys
