@@ -298,6 +298,7 @@ pybind11::dict StatsToDict(const KvCacheStats& s) {
   d["shared_writes"] = s.shared_writes;
   d["shared_write_drops"] = s.shared_write_drops;
   d["shared_errors"] = s.shared_errors;
+  d["shared_auth_failures"] = s.shared_auth_failures;
   d["reused_blocks_per_window_size"] = s.reused_blocks_per_window_size;
   d["missed_blocks_per_window_size"] = s.missed_blocks_per_window_size;
   d["num_cached_nodes"] = s.num_cached_nodes;

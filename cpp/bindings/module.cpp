@@ -9,6 +9,7 @@
 #include "bindings.h"
 #include "kvcache/block_key.h"
 #include "kvcache/memory_backend.h"
+#include "kvcache/shared_tier.h"
 #include "kvcache/types.h"
 
 PYBIND11_MODULE(_core, m) {
@@ -39,6 +40,10 @@ PYBIND11_MODULE(_core, m) {
       pybind11::arg("cache_salt") = pybind11::none(),
       pybind11::arg("multimodal") = std::vector<kvcache::py::MultimodalArg>{},
       "Chained block keys of the full blocks of `tokens` (the core's ChainHashes).");
+  m.def(
+      "_check_shared_cache_url", [](const std::string& url) { kvcache::ParseRedisUrl(url); }, pybind11::arg("url"),
+      "Raises ValueError unless `url` is a shared_cache_url the core connects to (the core's ParseRedisUrl).");
+  m.attr("SHARED_CACHE_PASSWORD_ENV") = kvcache::kSharedCachePasswordEnv;
   kvcache::py::BindManager(m);
   kvcache::py::BindEstimates(m);
   kvcache::py::BindState(m);

@@ -721,6 +721,7 @@ KvCacheStats KVCacheManager::GetStats() const {
     s.shared_writes = c.writes;
     s.shared_write_drops = c.write_drops;
     s.shared_errors = c.errors;
+    s.shared_auth_failures = c.auth_failures;
   }
   s.num_cached_nodes = static_cast<std::int64_t>(tree_->NumNodes()) - 1;
   s.lent_slabs = lender_->lent_slabs();

@@ -29,7 +29,7 @@ void KVCacheManager::MakeSharedTier(const ManagerConfig& config, const std::vect
     if (!config.shared_cache_namespace.empty()) ThrowInvalid("shared_cache_namespace needs shared_cache_url");
     return;
   }
-  const RedisAddress address = ParseRedisUrl(config.shared_cache_url);
+  const RedisAddress address = ResolveRedisUrl(config.shared_cache_url);
   if (!config.enable_block_reuse) {
     ThrowInvalid("shared_cache_url needs enable_block_reuse: the shared tier holds blocks stored for reuse");
   }
@@ -196,11 +196,12 @@ void KVCacheManager::FetchShared(const TokenId* tokens, std::size_t n, const Reu
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto [w, d] = where[i];
       const auto j = static_cast<std::size_t>(d - base);
-      if (DecodeSharedBlock(values[i], hashes[static_cast<std::size_t>(d)], windows_[w]->BlockBytes()) != nullptr) {
+      if (DecodeSharedBlock(values[i], keys[i], windows_[w]->BlockBytes()) != nullptr) {
         f.values[w][j] = std::move(values[i]);
       } else {
         avail[w][j] = 0;
-        if (!values[i].empty()) shared_->CountError();  // present but not this block's intact bytes
+        // Present but not this key's intact bytes (an empty value or an error reply Fetch counted).
+        if (!values[i].empty()) shared_->CountError();
       }
     }
     if (!complete) {
@@ -249,7 +250,8 @@ bool KVCacheManager::WriteShared(std::size_t w, std::uint64_t hash, BlockId b) {
   if (!shared_->Reserve(key.size() + kSharedBlockHeader + bytes)) return false;  // behind: dropped, counted
   shared_buffer_.resize(bytes);
   wm.CopyOut(b, shared_buffer_.data());  // now: the block may be handed out right after this call
-  shared_->Push(std::move(key), EncodeSharedBlock(hash, shared_buffer_.data(), bytes));
+  std::string value = EncodeSharedBlock(key, shared_buffer_.data(), bytes);
+  shared_->Push(std::move(key), std::move(value));
   return true;
 }
 

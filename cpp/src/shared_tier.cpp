@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -21,8 +22,11 @@
 namespace kvcache {
 namespace {
 
-constexpr std::uint64_t kMagic = 0x3130534b43564b43ULL;  // "CKVCKS01" read as a little-endian word
+// "CKVCKS02" read as a little-endian word: values of the first format (bound to the chained hash
+// only) do not verify and are rewritten by the next store.
+constexpr std::uint64_t kMagic = 0x3230534b43564b43ULL;
 constexpr std::uint64_t kChecksumSeed = 0x51ed27099b4a7c15ULL;
+constexpr std::uint64_t kKeySeed = 0x6a09e667f3bcc909ULL;
 constexpr int kFirstBackoffMs = 50;
 constexpr int kMaxBackoffMs = 2000;
 constexpr int kWriteTimeoutMs = 2000;  // a write batch is behind the calls: a longer bound
@@ -80,9 +84,12 @@ int ParseReply(const std::string& in, std::size_t* pos, RespReply* out) {
   return 1;
 }
 
-std::uint64_t Checksum(std::uint64_t hash, const unsigned char* data, std::size_t bytes) {
-  return HashBytes(kChecksumSeed ^ hash, data, bytes);
+std::uint64_t Checksum(std::uint64_t key_digest, const unsigned char* data, std::size_t bytes) {
+  return HashBytes(kChecksumSeed ^ key_digest, data, bytes);
 }
+
+/// A block's whole key (namespace, window label, chained hash) as one word.
+std::uint64_t KeyDigest(const std::string& key) { return HashBytes(kKeySeed, key.data(), key.size()); }
 
 }  // namespace
 
@@ -93,18 +100,67 @@ std::int64_t RespConnection::NowMs() {
 
 RedisAddress ParseRedisUrl(const std::string& url) {
   const std::string scheme = "redis://";
+  for (const char c : url) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      ThrowInvalid("shared_cache_url must not hold control characters (a NUL, a newline, ...)");
+    }
+  }
+  if (url.compare(0, 9, "rediss://") == 0) {
+    ThrowInvalid("shared_cache_url '", url,
+                 "': TLS (rediss://) is not spoken by the manager's client; reach the store through a local TLS "
+                 "tunnel (stunnel, spiped) and give its redis:// address");
+  }
   if (url.compare(0, scheme.size(), scheme) != 0) {
-    ThrowInvalid("shared_cache_url must look like redis://host:port/db, got '", url, "'");
+    ThrowInvalid("shared_cache_url must look like redis://[[user]:password@]host[:port][/db], got '", url, "'");
   }
   RedisAddress a;
   std::string rest = url.substr(scheme.size());
+  const std::size_t at = rest.rfind('@');
+  if (at != std::string::npos) {
+    // Userinfo: [user]:password, or a password alone; percent-encoded ('@' as %40, ':' as %3A).
+    const std::string info = rest.substr(0, at);
+    rest.erase(0, at + 1);
+    auto decode = [&](const std::string& text) {
+      std::string out;
+      for (std::size_t i = 0; i < text.size(); ++i) {
+        if (text[i] != '%') {
+          out += text[i];
+          continue;
+        }
+        const auto hex = [](char c) {
+          return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        };
+        const bool whole = i + 2 < text.size();
+        const int hi = whole ? hex(text[i + 1]) : -1;
+        const int lo = whole ? hex(text[i + 2]) : -1;
+        if (hi < 0 || lo < 0) {
+          ThrowInvalid("shared_cache_url: a '%' in the credentials must start a %XX escape");
+        }
+        const char decoded = static_cast<char>(hi * 16 + lo);
+        if (static_cast<unsigned char>(decoded) < 0x20) ThrowInvalid("shared_cache_url: a control character in the credentials");
+        out += decoded;
+        i += 2;
+      }
+      return out;
+    };
+    const std::size_t colon = info.find(':');
+    if (colon == std::string::npos) {
+      a.password = decode(info);  // redis://secret@host: a password for the default user
+    } else {
+      a.user = decode(info.substr(0, colon));
+      a.password = decode(info.substr(colon + 1));
+    }
+    if (a.password.empty()) ThrowInvalid("shared_cache_url: credentials without a password (user:password@host)");
+  }
   const std::size_t slash = rest.find('/');
+  // The credentials never appear in an error: the URL is shown without them.
+  const std::string shown = at == std::string::npos ? url : detail::Concat(scheme, "***@", rest);
   auto number = [&](const std::string& text, const char* what, int lo, int hi) {
     char* end = nullptr;
     errno = 0;
     const long v = std::strtol(text.c_str(), &end, 10);
     if (text.empty() || errno != 0 || *end != '\0' || v < lo || v > hi) {
-      ThrowInvalid("shared_cache_url '", url, "': ", what, " must be an integer in ", lo, "..", hi, ", got '", text,
+      ThrowInvalid("shared_cache_url '", shown, "': ", what, " must be an integer in ", lo, "..", hi, ", got '", text,
                    "'");
     }
     return static_cast<int>(v);
@@ -119,9 +175,17 @@ RedisAddress ParseRedisUrl(const std::string& url) {
     a.port = number(rest.substr(colon + 1), "the port", 1, 65535);
     rest.resize(colon);
   }
-  if (rest.empty()) ThrowInvalid("shared_cache_url '", url, "' names no host");
-  if (rest.find('@') != std::string::npos) ThrowInvalid("shared_cache_url '", url, "': credentials are not supported");
+  if (rest.empty()) ThrowInvalid("shared_cache_url '", shown, "' names no host");
   a.host = rest;
+  return a;
+}
+
+RedisAddress ResolveRedisUrl(const std::string& url, const char* password_env) {
+  RedisAddress a = ParseRedisUrl(url);
+  if (a.password.empty() && password_env != nullptr) {
+    const char* secret = std::getenv(password_env);
+    if (secret != nullptr) a.password = secret;
+  }
   return a;
 }
 
@@ -145,6 +209,10 @@ bool RespConnection::Call(const std::string& wire, std::size_t count, std::vecto
     // call connects again at once.
     Close();
     return false;
+  }
+  if (!replies->empty() && (*replies)[0].type == '-' && (*replies)[0].text.rfind("NOAUTH", 0) == 0) {
+    ++auth_failures_;  // the store wants a password the manager was not given
+    return Fail();
   }
   backoff_ms_ = 0;
   return true;
@@ -171,12 +239,37 @@ bool RespConnection::Connect(std::int64_t deadline_ms) {
   const int one = 1;
   setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   in_.clear();
-  if (address_.db != 0) {
-    std::string wire;
-    const std::string db = std::to_string(address_.db);
+  return Handshake(deadline_ms) || Fail();
+}
+
+bool RespConnection::Handshake(std::int64_t deadline_ms) {
+  std::string wire;
+  std::size_t count = 0;
+  const RedisAddress& a = address_;
+  if (!a.password.empty()) {
+    if (a.user.empty()) {
+      Append(&wire, {{"AUTH", 4}, {a.password.data(), a.password.size()}});
+    } else {
+      Append(&wire, {{"AUTH", 4}, {a.user.data(), a.user.size()}, {a.password.data(), a.password.size()}});
+    }
+    ++count;
+  }
+  const std::string db = std::to_string(a.db);
+  if (a.db != 0) {
     Append(&wire, {{"SELECT", 6}, {db.data(), db.size()}});
-    std::vector<RespReply> reply;
-    if (!Send(wire, deadline_ms) || !Receive(1, &reply, deadline_ms) || reply[0].type != '+') return Fail();
+    ++count;
+  }
+  if (count == 0) return true;
+  std::vector<RespReply> replies;
+  if (!Send(wire, deadline_ms) || !Receive(count, &replies, deadline_ms)) return false;
+  if (!a.password.empty() && replies[0].type != '+') {
+    ++auth_failures_;  // WRONGPASS, or AUTH to a store without a password
+    return false;
+  }
+  // A store that wants a password the manager was not given answers SELECT with NOAUTH.
+  if (a.db != 0 && replies.back().type != '+') {
+    if (replies.back().text.rfind("NOAUTH", 0) == 0) ++auth_failures_;
+    return false;
   }
   return true;
 }
@@ -280,9 +373,15 @@ bool SharedTier::Fetch(const std::vector<std::string>& keys, std::vector<std::st
       RespConnection::Append(&wire, {{"GET", 3}, {keys[i].data(), keys[i].size()}});
     }
     const bool ok = lookup_.Call(wire, last - first, &replies, deadline_ms);
-    // After a failure, the replies that arrived before it still count.
+    // After a failure, the replies that arrived before it still count. A value that can be no
+    // block (empty; an error such as WRONGTYPE for a key of another type) is a refused miss.
     for (std::size_t i = 0; i < replies.size(); ++i) {
-      if (replies[i].type == '$' && !replies[i].nil) (*values)[first + i] = std::move(replies[i].text);
+      RespReply& r = replies[i];
+      if (r.type == '$' && !r.nil && !r.text.empty()) {
+        (*values)[first + i] = std::move(r.text);
+      } else if (!(r.type == '$' && r.nil)) {
+        CountError();
+      }
     }
     if (!ok) {
       CountError();
@@ -321,6 +420,7 @@ SharedTierCounters SharedTier::Counters() const {
   c.writes = writes_.load();
   c.write_drops = write_drops_.load();
   c.errors = errors_.load();
+  c.auth_failures = lookup_.auth_failures() + writer_conn_.auth_failures();
   return c;
 }
 
@@ -352,8 +452,9 @@ void SharedTier::WriterLoop() {
   }
 }
 
-std::string EncodeSharedBlock(std::uint64_t hash, const unsigned char* data, std::size_t bytes) {
-  const std::uint64_t header[4] = {kMagic, hash, static_cast<std::uint64_t>(bytes), Checksum(hash, data, bytes)};
+std::string EncodeSharedBlock(const std::string& key, const unsigned char* data, std::size_t bytes) {
+  const std::uint64_t digest = KeyDigest(key);
+  const std::uint64_t header[4] = {kMagic, digest, static_cast<std::uint64_t>(bytes), Checksum(digest, data, bytes)};
   static_assert(sizeof header == kSharedBlockHeader, "the documented header size");
   std::string value(kSharedBlockHeader + bytes, '\0');
   std::memcpy(&value[0], header, sizeof header);
@@ -361,8 +462,9 @@ std::string EncodeSharedBlock(std::uint64_t hash, const unsigned char* data, std
   return value;
 }
 
-const unsigned char* DecodeSharedBlock(const std::string& value, std::uint64_t hash, std::size_t bytes) {
+const unsigned char* DecodeSharedBlock(const std::string& value, const std::string& key, std::size_t bytes) {
   if (value.size() != kSharedBlockHeader + bytes) return nullptr;
+  const std::uint64_t hash = KeyDigest(key);
   std::uint64_t header[4];
   std::memcpy(header, value.data(), sizeof header);
   const auto* data = reinterpret_cast<const unsigned char*>(value.data()) + kSharedBlockHeader;

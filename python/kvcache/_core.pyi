@@ -23,6 +23,7 @@ __all__: list[str] = [
     "OFFSET_SENTINEL",
     "OutOfBlocksError",
     "PreparedPrompt",
+    "SHARED_CACHE_PASSWORD_ENV",
     "StateBuffer",
     "blocks_to_run_alone",
     "cuda_available",
@@ -587,6 +588,11 @@ def _block_hashes(
     Chained block keys of the full blocks of `tokens` (the core's ChainHashes).
     """
 
+def _check_shared_cache_url(url: str) -> None:
+    """
+    Raises ValueError unless `url` is a shared_cache_url the core connects to (the core's ParseRedisUrl).
+    """
+
 def blocks_to_run_alone(
     prompt_len: typing.SupportsIndex,
     final_tokens: typing.SupportsIndex,
@@ -670,3 +676,4 @@ DEFAULT_PRIORITY: int = 35
 KEEP_ALL: int = 2305843009213693951
 NULL_BLOCK: int = -1
 OFFSET_SENTINEL: int = -1
+SHARED_CACHE_PASSWORD_ENV: str = "KVCACHE_SHARED_CACHE_PASSWORD"

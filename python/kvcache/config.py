@@ -26,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kvcache import _core
 from kvcache.fields import (
     DTYPE_BYTES,
     SHARE_POLICIES,
@@ -469,8 +470,10 @@ class KvCacheConfig:
         disk_cache_dir: Directory of the disk tier's files; ``None``: a private temporary
             directory, removed with the manager.
         shared_cache_url: A Redis server that managers (engines) share KV blocks through,
-            ``"redis://host[:port][/db]"``; ``None``: no shared tier. Needs block reuse and a
-            backend with memory. See API.md "The shared tier".
+            ``"redis://[[user]:password@]host[:port][/db]"`` (credentials percent-encoded; a
+            password may instead come from the ``KVCACHE_SHARED_CACHE_PASSWORD`` environment
+            variable); ``None``: no shared tier. Needs block reuse and a backend with memory.
+            See API.md "The shared tier".
         shared_cache_namespace: Key prefix in the store; ``None``: ``"kvcache:"`` and a
             fingerprint of the model layout, dtypes, tokens per block and windows, so only
             managers whose blocks are interchangeable read each other's.
@@ -627,11 +630,8 @@ class KvCacheConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty str or None, got {value!r}")
-        if self.shared_cache_url is not None and not self.shared_cache_url.startswith("redis://"):
-            raise ValueError(
-                "shared_cache_url must look like redis://host:port/db, got "
-                f"{self.shared_cache_url!r}"
-            )
+        if self.shared_cache_url is not None:
+            _core._check_shared_cache_url(self.shared_cache_url)  # the core's own URL rule
         if self.shared_cache_namespace is not None and self.shared_cache_url is None:
             raise ValueError("shared_cache_namespace needs shared_cache_url")
         _positive_int("shared_cache_timeout_ms", self.shared_cache_timeout_ms)

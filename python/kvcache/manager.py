@@ -110,8 +110,10 @@ class KvCacheStats:
     Shared tier (``shared_cache_url``): ``shared_hits`` blocks filled from the store at
     ``add_sequence`` (summed over windows), ``shared_writes`` blocks the store accepted,
     ``shared_write_drops`` blocks not written because the write queue was full, and
-    ``shared_errors`` lookups or write batches that failed or timed out plus fetched blocks
-    that did not verify (each a miss).
+    ``shared_errors`` lookups or write batches that failed or timed out plus fetched values
+    refused (each a miss: not an intact block of its own key, empty, or a key of another Redis
+    type), ``shared_auth_failures`` connections the store refused to authenticate (a wrong or
+    missing password; each also a failed call in ``shared_errors``).
     Recurrent state (summed over state groups; 0 without recurrent layers): ``state_slots``,
     of which ``working_state_slots`` (one per registered sequence), ``pending_checkpoints``
     (being written), ``cached_checkpoints`` and ``free_state_slots``;
@@ -143,6 +145,7 @@ class KvCacheStats:
     shared_writes: int = 0
     shared_write_drops: int = 0
     shared_errors: int = 0
+    shared_auth_failures: int = 0
     reused_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     missed_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     num_cached_nodes: int = 0

@@ -10,10 +10,13 @@ router's :class:`~kvcache.router.KvIndexer`. See API.md "The shared tier".
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+
+from kvcache import _core
 
 if TYPE_CHECKING:
     from kvcache.router import KvIndexer
@@ -29,18 +32,23 @@ _BLOCK_KEY = re.compile(r"w(\d+):([0-9a-f]{16})")
 
 
 def _client(url: str) -> Any:
+    """A client for ``url``, with the password the manager would use (the URL's, else
+    ``KVCACHE_SHARED_CACHE_PASSWORD``'s)."""
     try:
         import redis
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "kvcache.shared_cache needs the redis client: pip install 'kvcache[redis]'"
         ) from e
-    return redis.Redis.from_url(url)
+    # URL components override keyword arguments: the environment's password fills a gap only.
+    password = os.environ.get(_core.SHARED_CACHE_PASSWORD_ENV) or None
+    return redis.Redis.from_url(url, password=password)
 
 
 def _check(url: str, namespace: str) -> None:
-    if not isinstance(url, str) or not url.startswith("redis://"):
-        raise ValueError(f"url must look like redis://host:port/db, got {url!r}")
+    if not isinstance(url, str):
+        raise ValueError(f"url must be a redis:// URL, got {url!r}")
+    _core._check_shared_cache_url(url)  # the manager's own rule
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
 

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -54,33 +55,70 @@ TEST(SharedTier, ParsesRedisUrls) {
   EXPECT_EQ(full.port, 7000);
   EXPECT_EQ(full.db, 3);
   EXPECT_EQ(ParseRedisUrl("redis://h:1/").db, 0);
-  EXPECT_NE(ErrorOf("http://h:1").find("must look like redis://host:port/db"), std::string::npos);
+  EXPECT_NE(ErrorOf("http://h:1").find("must look like redis://[[user]:password@]host[:port][/db]"),
+            std::string::npos);
   EXPECT_NE(ErrorOf("redis://h:0").find("the port must be an integer in 1..65535, got '0'"), std::string::npos);
   EXPECT_NE(ErrorOf("redis://h:x1").find("the port must be an integer"), std::string::npos);
   EXPECT_NE(ErrorOf("redis://h:1/a").find("the database must be an integer"), std::string::npos);
   EXPECT_NE(ErrorOf("redis://:1").find("names no host"), std::string::npos);
-  EXPECT_NE(ErrorOf("redis://u:p@h:1").find("credentials are not supported"), std::string::npos);
+}
+
+TEST(SharedTier, ParsesCredentialsAndRefusesWhatItCannotSpeak) {
+  const RedisAddress both = ParseRedisUrl("redis://alice:s%40cr%3At@cache:7000/2");
+  EXPECT_EQ(both.user, "alice");
+  EXPECT_EQ(both.password, "s@cr:t");  // percent-decoded
+  EXPECT_EQ(both.host, "cache");
+  EXPECT_EQ(both.port, 7000);
+  EXPECT_EQ(both.db, 2);
+  const RedisAddress alone = ParseRedisUrl("redis://:secret@h");
+  EXPECT_EQ(alone.user, "");
+  EXPECT_EQ(alone.password, "secret");
+  EXPECT_EQ(ParseRedisUrl("redis://secret@h").password, "secret");
+  EXPECT_EQ(ParseRedisUrl("redis://h").password, "");
+  EXPECT_NE(ErrorOf("rediss://h:6380").find("TLS (rediss://) is not spoken"), std::string::npos);
+  EXPECT_NE(ErrorOf(std::string("redis://h\0x:1", 13)).find("control characters"), std::string::npos);
+  EXPECT_NE(ErrorOf("redis://h:1\n").find("control characters"), std::string::npos);
+  EXPECT_NE(ErrorOf("redis://u:@h").find("credentials without a password"), std::string::npos);
+  EXPECT_NE(ErrorOf("redis://u:p%4@h").find("%XX escape"), std::string::npos);
+  // The password never shows in an error.
+  const std::string error = ErrorOf("redis://u:hunter2@h:99999");
+  EXPECT_NE(error.find("the port must be"), std::string::npos);
+  EXPECT_EQ(error.find("hunter2"), std::string::npos);
+}
+
+TEST(SharedTier, APasswordComesFromTheEnvironmentOnlyWhenTheUrlHasNone) {
+  const char* name = "KVCACHE_TEST_SHARED_PASSWORD";
+  unsetenv(name);
+  EXPECT_EQ(ResolveRedisUrl("redis://h", name).password, "");
+  setenv(name, "from-env", 1);
+  EXPECT_EQ(ResolveRedisUrl("redis://h", name).password, "from-env");
+  EXPECT_EQ(ResolveRedisUrl("redis://u:from-url@h", name).password, "from-url");
+  unsetenv(name);
 }
 
 TEST(SharedTier, AStoredBlockReadsBackOnlyUnderItsKeyAndIntact) {
   std::vector<unsigned char> bytes(100);
   for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 7 + 1);
-  const std::string value = EncodeSharedBlock(42, bytes.data(), bytes.size());
+  const std::string key = "ns:w8:000000000000002a";
+  const std::string value = EncodeSharedBlock(key, bytes.data(), bytes.size());
   ASSERT_EQ(value.size(), kSharedBlockHeader + 100);
-  const unsigned char* data = DecodeSharedBlock(value, 42, 100);
+  const unsigned char* data = DecodeSharedBlock(value, key, 100);
   ASSERT_NE(data, nullptr);
   EXPECT_EQ(std::vector<unsigned char>(data, data + 100), bytes);
-  EXPECT_EQ(DecodeSharedBlock(value, 43, 100), nullptr);  // another key's block
-  EXPECT_EQ(DecodeSharedBlock(value, 42, 99), nullptr);   // another layout's size
+  // The whole key is bound: another hash, another window, another namespace.
+  EXPECT_EQ(DecodeSharedBlock(value, "ns:w8:000000000000002b", 100), nullptr);
+  EXPECT_EQ(DecodeSharedBlock(value, "ns:w0:000000000000002a", 100), nullptr);
+  EXPECT_EQ(DecodeSharedBlock(value, "other:w8:000000000000002a", 100), nullptr);
+  EXPECT_EQ(DecodeSharedBlock(value, key, 99), nullptr);  // another layout's size
   std::string flipped = value;
   flipped[kSharedBlockHeader + 50] = static_cast<char>(flipped[kSharedBlockHeader + 50] ^ 1);
-  EXPECT_EQ(DecodeSharedBlock(flipped, 42, 100), nullptr);  // the checksum fails
-  EXPECT_EQ(DecodeSharedBlock(value.substr(0, value.size() - 1), 42, 100), nullptr);  // truncated
-  EXPECT_EQ(DecodeSharedBlock("", 42, 100), nullptr);  // missing
+  EXPECT_EQ(DecodeSharedBlock(flipped, key, 100), nullptr);  // the checksum fails
+  EXPECT_EQ(DecodeSharedBlock(value.substr(0, value.size() - 1), key, 100), nullptr);  // truncated
+  EXPECT_EQ(DecodeSharedBlock("", key, 100), nullptr);  // missing
 }
 
 TEST(SharedTier, AConnectionToNobodyFailsAndBacksOff) {
-  RespConnection c(RedisAddress{"127.0.0.1", DeadPort(), 0});
+  RespConnection c(RedisAddress{"127.0.0.1", DeadPort(), 0, "", ""});
   std::string wire;
   RespConnection::Append(&wire, {{"PING", 4}});
   std::vector<RespReply> replies;

@@ -39,8 +39,10 @@ def _free_port() -> int:
 class Server:
     """A redis-server of its own on a free port, in a temporary directory."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, password: str | None = None) -> None:
         self.port = _free_port()
+        self.password = password
+        auth = [] if password is None else ["--requirepass", password]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [
@@ -55,6 +57,7 @@ class Server:
                 "no",
                 "--dir",
                 str(tmp),
+                *auth,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -72,7 +75,9 @@ class Server:
     def client(self):  # type: ignore[no-untyped-def]
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=5, password=self.password
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:

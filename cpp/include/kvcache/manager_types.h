@@ -122,12 +122,14 @@ struct KvCacheStats {
   /// Disk-tier blocks dropped because they could not be read back intact (each a miss).
   std::int64_t disk_read_failures = 0;
   /// Shared tier: blocks onboarded from the store, blocks the store accepted, blocks not written
-  /// (the write queue was full) and failures (lookups or writes that failed or timed out, blocks
-  /// that did not verify).
+  /// (the write queue was full) and failures (lookups or writes that failed or timed out, values
+  /// refused: not verifying under their key, empty, or of another Redis type); connections the
+  /// store refused to authenticate.
   std::int64_t shared_hits = 0;
   std::int64_t shared_writes = 0;
   std::int64_t shared_write_drops = 0;
   std::int64_t shared_errors = 0;
+  std::int64_t shared_auth_failures = 0;
   std::map<WindowSize, std::int64_t> reused_blocks_per_window_size;
   std::map<WindowSize, std::int64_t> missed_blocks_per_window_size;
   std::int64_t num_cached_nodes = 0;  ///< Nodes of the reuse tree (root excluded).

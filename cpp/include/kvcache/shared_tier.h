@@ -15,15 +15,27 @@
 
 namespace kvcache {
 
-/// Where the store listens: `redis://host[:port][/db]` (port 6379 and db 0 by default).
+/// Where the store listens and who the manager is to it: `redis://[[user]:password@]host[:port][/db]`
+/// (port 6379 and db 0 by default; no user: Redis's `default` user).
 struct RedisAddress {
   std::string host;
   int port = 6379;
   int db = 0;
+  std::string user;      ///< Empty: AUTH with the password alone (the default user).
+  std::string password;  ///< Empty: no AUTH.
 };
 
-/// Parses a `redis://host[:port][/db]` URL; throws std::invalid_argument naming what is wrong.
+/// The environment variable that holds the store's password when the URL names none, so that
+/// it need not be written in config files.
+inline constexpr const char* kSharedCachePasswordEnv = "KVCACHE_SHARED_CACHE_PASSWORD";
+
+/// Parses a `redis://[[user]:password@]host[:port][/db]` URL (user and password percent-decoded);
+/// throws std::invalid_argument naming what is wrong: another scheme (`rediss://` TLS is not
+/// spoken), a control character, a bad port or database, no host.
 RedisAddress ParseRedisUrl(const std::string& url);
+/// ParseRedisUrl, with the password from `password_env` (when set and non-empty) if the URL has
+/// none.
+RedisAddress ResolveRedisUrl(const std::string& url, const char* password_env = kSharedCachePasswordEnv);
 
 /// One RESP reply: a status (`+`), an error (`-`), an integer (`:`) or a bulk string (`$`).
 struct RespReply {
@@ -38,7 +50,9 @@ struct RespReply {
 /// Any failure (refused, reset, a protocol error, the deadline) closes the connection; the next
 /// call connects again, but not before a backoff (50 ms doubling to 2 s, reset by a success)
 /// during which calls fail at once; a call that ran out of time on a live connection closes
-/// it without a backoff. Not thread-safe.
+/// it without a backoff. With a password, every connection first sends `AUTH [user] password`;
+/// a refusal is a failure like the others, also counted in auth_failures(). Not thread-safe
+/// (auth_failures() may be read from any thread).
 class RespConnection {
  public:
   explicit RespConnection(RedisAddress address) : address_(std::move(address)) {}
@@ -53,8 +67,13 @@ class RespConnection {
   bool Call(const std::string& wire, std::size_t count, std::vector<RespReply>* replies, std::int64_t deadline_ms);
   /// Now on the clock that deadlines use.
   static std::int64_t NowMs();
+  /// Connections the store refused to authenticate (wrong password or user, AUTH to a store
+  /// that has no password, or a password missing).
+  std::int64_t auth_failures() const { return auth_failures_.load(); }
 
  private:
+  /// After connecting: AUTH, then SELECT; false when the store refuses either.
+  bool Handshake(std::int64_t deadline_ms);
   bool Connect(std::int64_t deadline_ms);
   bool Send(const std::string& wire, std::int64_t deadline_ms);
   bool Receive(std::size_t count, std::vector<RespReply>* replies, std::int64_t deadline_ms);
@@ -66,6 +85,7 @@ class RespConnection {
   std::int64_t retry_at_ms_ = 0;
   int backoff_ms_ = 0;
   std::string in_;  ///< Bytes received and not parsed yet.
+  std::atomic<std::int64_t> auth_failures_{0};
 };
 
 /// Counters of a shared tier (read while it runs).
@@ -73,7 +93,8 @@ struct SharedTierCounters {
   std::int64_t hits = 0;         ///< Blocks onboarded from the store.
   std::int64_t writes = 0;       ///< Blocks the store accepted.
   std::int64_t write_drops = 0;  ///< Blocks not written: the write queue was full.
-  std::int64_t errors = 0;       ///< Lookups or write batches that failed, and blocks that did not verify.
+  std::int64_t errors = 0;       ///< Lookups or write batches that failed, and values refused.
+  std::int64_t auth_failures = 0;  ///< Connections the store refused to authenticate.
 };
 
 /// The store as the manager sees it: pipelined lookups on the caller's thread (under the
@@ -93,7 +114,9 @@ class SharedTier {
   /// by `deadline_ms` (RespConnection::NowMs's clock).
   bool Exists(const std::vector<std::string>& keys, std::vector<char>* found, std::int64_t deadline_ms);
   /// values[i] = the bytes of keys[i], empty when missing; false (an error counted) on failure,
-  /// when the values of the replies that arrived before it are still filled in. Sends `batch`
+  /// when the values of the replies that arrived before it are still filled in. A value that
+  /// can be no block (empty, or an error reply such as a key of another Redis type) is a miss
+  /// and counts as an error. Sends `batch`
   /// GETs at a time: Redis answers a pipeline once it has run all of it, so smaller batches let
   /// a lookup cut short by its deadline keep what came back.
   bool Fetch(const std::vector<std::string>& keys, std::vector<std::string>* values, std::int64_t deadline_ms,
@@ -129,13 +152,15 @@ class SharedTier {
   std::thread writer_;
 };
 
-/// Bytes of the header that precedes a block's bytes in the store (the disk tier's scheme):
-/// magic, the chained key hash, the byte count and a HashBytes checksum of the bytes.
+/// Bytes of the header that precedes a block's bytes in the store: magic, a digest of the
+/// block's whole key (namespace, window label and chained hash), the byte count and a
+/// checksum of the bytes seeded with the key's digest. A value copied under another key (another
+/// window, another namespace) does not verify there.
 inline constexpr std::size_t kSharedBlockHeader = 32;
 
-/// A stored value: the header, then `bytes` bytes from `data`.
-std::string EncodeSharedBlock(std::uint64_t hash, const unsigned char* data, std::size_t bytes);
-/// The bytes of `value` if it is an intact block of key hash `hash` and `bytes` bytes, else null.
-const unsigned char* DecodeSharedBlock(const std::string& value, std::uint64_t hash, std::size_t bytes);
+/// A stored value for `key`: the header, then `bytes` bytes from `data`.
+std::string EncodeSharedBlock(const std::string& key, const unsigned char* data, std::size_t bytes);
+/// The bytes of `value` if it is an intact block written under `key` with `bytes` bytes, else null.
+const unsigned char* DecodeSharedBlock(const std::string& value, const std::string& key, std::size_t bytes);
 
 }  // namespace kvcache
