@@ -40,6 +40,7 @@ window rule stopped the hit, that whole next block) after the prefix.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -54,6 +55,12 @@ from kvcache.manager import _key_kwargs
 __all__ = ["KvIndexer", "ZmqEventSubscriber"]
 
 _log = logging.getLogger(__name__)
+
+# A block size no prompt fills: block_hashes then checks the tokens and hashes nothing.
+_NO_FULL_BLOCK = 2**30
+
+# Batches per engine whose bytes the subscriber remembers to tell a duplicate from a restart.
+_RECENT_BATCHES = 4096
 
 # kvcache.events.MEDIUM_SHARED_STORAGE (vLLM's medium name for shared storage), spelled out:
 # this module imports neither msgspec nor zmq until it needs them.
@@ -106,7 +113,7 @@ def _event_dict(event: Any) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     if isinstance(event, (list, tuple)):
-        if not event or event[0] not in _ARRAY_FIELDS:
+        if not event or not isinstance(event[0], str) or event[0] not in _ARRAY_FIELDS:
             raise ValueError(f"unknown KV event {event!r:.80}")
         return {"type": event[0], **dict(zip(_ARRAY_FIELDS[event[0]], event[1:], strict=False))}
     config = getattr(type(event), "__struct_config__", None)
@@ -115,29 +122,54 @@ def _event_dict(event: Any) -> dict[str, Any]:
     return {"type": config.tag, **{f: getattr(event, f) for f in event.__struct_fields__}}
 
 
-def _checked(event: Any) -> dict[str, Any]:
-    """:func:`_event_dict`, with every field :meth:`KvIndexer.apply` reads checked, so a
-    batch is applied whole or not at all."""
-    e = _event_dict(event)
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _checked(event: Any, index: int = 0) -> dict[str, Any]:
+    """:func:`_event_dict`, with every field :meth:`KvIndexer.apply` reads checked (types and
+    ranges), so a batch is applied whole or not at all; a bad field is a ``ValueError`` naming
+    the event (its index in the batch) and the field."""
+    try:
+        e = _event_dict(event)
+    except ValueError as err:
+        raise ValueError(f"event {index}: {err}") from None
     kind = e.get("type")
-    if kind not in _ARRAY_FIELDS:
-        raise ValueError(f"unknown KV event type {kind!r}")
+    if not isinstance(kind, str) or kind not in _ARRAY_FIELDS:
+        raise ValueError(f"event {index}: unknown KV event type {kind!r:.80}")
     if kind == "AllBlocksCleared":
         return e
+
+    def bad(name: str, want: str) -> ValueError:
+        return ValueError(f"event {index} ({kind}): {name} must be {want}, got {e.get(name)!r:.80}")
+
     hashes = e.get("block_hashes")
-    if not isinstance(hashes, list | tuple) or not all(isinstance(h, int | bytes) for h in hashes):
-        raise ValueError(f"{kind}: block_hashes must be a list of ints or bytes")
+    if not isinstance(hashes, list | tuple) or not all(
+        _is_int(h) or isinstance(h, bytes) for h in hashes
+    ):
+        raise bad("block_hashes", "a list of ints or bytes")
     group = e.get("group_idx")
-    if group is not None and (not isinstance(group, int) or group < 0):
-        raise ValueError(f"{kind}: group_idx must be an int >= 0 or None, got {group!r}")
+    if group is not None and (not _is_int(group) or group < 0):
+        raise bad("group_idx", "an int >= 0 or None")
+    if not (e.get("medium") is None or isinstance(e.get("medium"), str)):
+        raise bad("medium", "a str or None")
     if kind == "BlockStored":
         size = e.get("block_size")
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"BlockStored: block_size must be an int >= 1, got {size!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise bad("block_size", "an int >= 1")
+        spec = e.get("kv_cache_spec_kind")
+        if not (spec is None or isinstance(spec, str)):
+            raise bad("kv_cache_spec_kind", "a str or None")
         window = e.get("kv_cache_spec_sliding_window")
-        sliding = e.get("kv_cache_spec_kind") == "sliding_window"
-        if sliding and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"BlockStored: a sliding window needs its size, got {window!r}")
+        if spec == "sliding_window" and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise bad("kv_cache_spec_sliding_window", "an int >= 1 for a sliding window")
+        lora_id = e.get("lora_id")
+        if not (lora_id is None or (_is_int(lora_id) and -(2**63) <= lora_id < 2**64)):
+            raise bad("lora_id", "an int or None")
+        if not (e.get("lora_name") is None or isinstance(e.get("lora_name"), str)):
+            raise bad("lora_name", "a str or None")
     return e
 
 
@@ -273,8 +305,9 @@ class KvIndexer:
                 (maps, tagged arrays or msgspec structs, e.g. ``ZmqEventPublisher.convert``).
 
         Raises:
-            ValueError: ``payload`` is not a batch, or holds an unknown event; nothing is
-                applied then.
+            ValueError: ``payload`` is not a batch, or holds an unknown event or a field of
+                the wrong type or range (the message names the event's index and the field);
+                nothing of the batch is applied then.
         """
         is_batch = (
             isinstance(payload, list | tuple)
@@ -283,7 +316,7 @@ class KvIndexer:
             and not isinstance(payload[0], bool)
         )
         events = payload if isinstance(payload, list) and not is_batch else _batch_events(payload)
-        parsed = [_checked(e) for e in events]  # all checked before any is applied
+        parsed = [_checked(e, i) for i, e in enumerate(events)]  # all before any is applied
         with self._lock:
             engine = self._engines.setdefault(engine_id, _Engine())
             for e in parsed:
@@ -456,6 +489,8 @@ class KvIndexer:
             groups = {g: _Group(x.block_size, x.window) for g, x in self._shared_groups.items()}
             groups.update(engine.groups)
         if len(tokens) <= 1 or not groups:
+            # Nothing to look up, but the prompt is still checked as a lookup would check it.
+            block_hashes(tokens, _NO_FULL_BLOCK)
             return 0
         lora = key["lora_task_id"]
         if lora_name is not None:
@@ -544,6 +579,19 @@ class ZmqEventSubscriber:
     under-estimate that engine, never over-estimate it. Both replay answers are read: vLLM
     0.32's ``[b"", topic, seq, payload]`` and the older ``[b"", seq, payload]``.
 
+    An engine that restarts numbers its batches from 0 again. A batch whose sequence number is
+    at or below the last one applied is therefore a restart (counted in :attr:`num_restarts`):
+    the engine's blocks are cleared and its stream is followed from scratch, the batches
+    before the first one received filled from its (new) replay socket. The one exception is a
+    batch already applied (:meth:`catch_up`'s replay can run ahead of the SUB socket, a
+    sender may repeat itself): the same sequence number with the same bytes as one of the
+    last 4,096 batches applied is a duplicate and is dropped. A restart
+    that is not seen (the subscriber was disconnected while the new engine published more
+    batches than the old one had) looks like a gap: the replay then fills it from the new
+    engine, and the old engine's blocks stay until they are removed: after restarting an
+    engine the subscriber did not follow, :meth:`KvIndexer.remove_engine` it (or restart
+    the subscriber).
+
     Drive it with :meth:`poll` (and :meth:`catch_up`) from one thread, the router's loop, or
     :meth:`start` a background thread that does it; not both. The indexer may be queried from
     any thread meanwhile.
@@ -594,8 +642,12 @@ class ZmqEventSubscriber:
         self._subs: dict[Any, Hashable] = {}
         self._replay: dict[Hashable, str | None] = {}
         self._last: dict[Hashable, int | None] = {}
+        # The last batches applied per engine: seq -> hash of the payload (duplicates).
+        self._recent: dict[Hashable, collections.OrderedDict[int, int]] = {}
         self._gaps_lost = 0
+        self._rejected = 0
         self._replays = 0
+        self._restarts = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         for engine_id, (endpoint, replay_endpoint) in engines.items():
@@ -607,6 +659,7 @@ class ZmqEventSubscriber:
             self._poller.register(sock, zmq.POLLIN)
             self._replay[engine_id] = replay_endpoint
             self._last[engine_id] = None
+            self._recent[engine_id] = collections.OrderedDict()
             indexer.add_engine(engine_id)
 
     @property
@@ -619,6 +672,18 @@ class ZmqEventSubscriber:
         """Gaps replay could not fill and batches the index rejected (each cleared that
         engine's blocks)."""
         return self._gaps_lost
+
+    @property
+    def num_rejected_batches(self) -> int:
+        """Batches the index refused (malformed: see :meth:`KvIndexer.apply`); each also
+        counts in :attr:`num_unrecoverable_gaps`."""
+        return self._rejected
+
+    @property
+    def num_restarts(self) -> int:
+        """Engines seen restarting (a sequence number that went back); each cleared that
+        engine's blocks and followed its new stream from the start."""
+        return self._restarts
 
     def last_seq(self, engine_id: Hashable) -> int | None:
         """The sequence number of the last batch applied for ``engine_id`` (``None``: none)."""
@@ -680,7 +745,19 @@ class ZmqEventSubscriber:
     def _on_batch(self, engine_id: Hashable, seq: int, payload: bytes) -> int:
         last = self._last[engine_id]
         if last is not None and seq <= last:
-            return 0  # already applied (from a replay)
+            if self._recent[engine_id].get(seq) == hash(payload):
+                return 0  # applied already (a replay ran ahead of the SUB socket)
+            # The sequence went back: the engine restarted (its old blocks are gone).
+            self._restarts += 1
+            _log.warning(
+                "engine %r restarted (batch %d after %d); its blocks are cleared",
+                engine_id,
+                seq,
+                last,
+            )
+            self._indexer.apply(engine_id, [{"type": "AllBlocksCleared"}])
+            self._recent[engine_id].clear()
+            self._last[engine_id] = last = None
         applied = 0
         expected = 0 if last is None else last + 1
         if seq > expected:
@@ -695,11 +772,16 @@ class ZmqEventSubscriber:
             self._indexer.apply(engine_id, payload)
         except ValueError as e:
             self._gaps_lost += 1
+            self._rejected += 1
             _log.warning(
                 "engine %r: batch %d rejected (%s); its blocks are cleared", engine_id, seq, e
             )
             self._indexer.apply(engine_id, [{"type": "AllBlocksCleared"}])
         self._last[engine_id] = seq
+        recent = self._recent[engine_id]
+        recent[seq] = hash(payload)
+        if len(recent) > _RECENT_BATCHES:
+            recent.popitem(last=False)
 
     def _fill(self, engine_id: Hashable, start: int, stop: int | None) -> int:
         """Applies batches ``start`` .. ``stop - 1`` (``None``: all there are) from replay;

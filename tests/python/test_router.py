@@ -257,7 +257,10 @@ def test_apply_takes_both_wire_forms_raw_or_decoded() -> None:
         ([cleared, {"type": "Bogus"}], "unknown KV event type 'Bogus'"),
         ([cleared, {"type": "BlockRemoved", "block_hashes": [[1]]}], "block_hashes must be"),
         ([cleared, dict(_stored(0, [1]), block_size=0)], "block_size must be an int >= 1"),
-        ([cleared, dict(_stored(0, [1], 8), kv_cache_spec_sliding_window=None)], "needs its size"),
+        (
+            [cleared, dict(_stored(0, [1], 8), kv_cache_spec_sliding_window=None)],
+            "kv_cache_spec_sliding_window must be an int >= 1",
+        ),
         ([cleared, dict(_stored(0, [1]), group_idx=-1)], "group_idx must be"),
     ):
         with pytest.raises(ValueError, match=match):
