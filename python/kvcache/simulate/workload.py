@@ -1,34 +1,61 @@
 """Workloads for the simulator: JSON Lines traces and the built-in multi-turn chat generator.
 
-A trace holds one request per line::
+A trace holds one request per line, in one of two formats, recognized by its keys.
+kvcache's own::
 
     {"request_id": 1, "arrival": 0, "prompt": [1, 2, 3], "output": [4, 5]}
 
 ``request_id`` is an int in ``0 .. 2**63 - 1``, unique in the file; ``arrival`` the engine
 step at which the request arrives (an int >= 0); ``prompt`` and ``output`` non-empty lists of
 token ids in ``0 .. 2**31 - 1``. Optional: ``"lora_task_id"`` (a 64-bit signed int),
-``"cache_salt"`` (a string or an int) and ``"priority"`` (an int in 0..100). Blank lines are
-skipped; anything else is an error naming the file and the line.
+``"cache_salt"`` (a string or an int) and ``"priority"`` (an int in 0..100).
+
+Mooncake's (a line with any of its keys ``timestamp``, ``input_length``, ``output_length``,
+``hash_ids``)::
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
+
+with tokens synthesized per hash id, outputs per request and arrival steps from the
+timestamps (:mod:`kvcache.simulate.mooncake`); its requests get ids 0, 1, 2, ... in file
+order. Blank lines are skipped; anything else, or a file mixing the formats, is an error
+naming the file and the line. :class:`TraceFile` streams a file; :func:`read_trace` reads
+it whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from kvcache.simulate.mooncake import (
+    DEFAULT_STEP_MS,
+    MooncakeLine,
+    arrival_step,
+    mooncake_output_tokens,
+    mooncake_prompt_tokens,
+    parse_mooncake_line,
+)
 
 __all__ = [
+    "ARRIVAL_MODES",
     "DEFAULT_CONVERSATIONS",
     "MAX_REQUEST_ID",
     "MAX_TOKEN_ID",
+    "TokenArrays",
+    "TraceFile",
     "TraceRequest",
+    "TraceSummary",
     "default_workload",
+    "iter_trace",
     "read_trace",
     "write_trace",
 ]
@@ -37,6 +64,8 @@ __all__ = [
 MAX_REQUEST_ID = 2**63 - 1
 #: Largest token id: the manager stores tokens as signed 32-bit ints.
 MAX_TOKEN_ID = 2**31 - 1
+#: How a trace's requests arrive: as the file says, or all at step 0 ("as soon as possible").
+ARRIVAL_MODES = ("timestamps", "asap")
 #: Conversations in the built-in workload when none is given (about 1,000 requests).
 DEFAULT_CONVERSATIONS = 400
 #: Longest sequence (prompt plus output) the built-in workload generates by default.
@@ -130,49 +159,274 @@ def _parse_trace_line(obj: object) -> TraceRequest:
     return TraceRequest(rid, arrival, tokens["prompt"], tokens["output"], lora, salt, prio)
 
 
-def read_trace(path: str | os.PathLike[str]) -> list[TraceRequest]:
-    """Reads a JSON Lines trace (see the module docstring); blank lines are skipped.
+_FORMAT_NAMES = {"kvcache": "kvcache", "mooncake": "Mooncake"}
+_MOONCAKE_HINT = frozenset({"hash_ids", "input_length", "output_length", "timestamp"})
 
-    Raises:
-        ValueError: The file cannot be read, or a line is malformed (``FILE:LINE: why``),
-            or a request id repeats.
 
-    Example:
-        A line ``{"request_id": 3, "arrival": 2, "prompt": [1, 2], "output": [3]}`` becomes
-        ``TraceRequest(request_id=3, arrival=2, prompt=(1, 2), output=(3,))``.
-    """
+def _line_format(obj: object) -> str:
+    """``"mooncake"`` for a line with any of Mooncake's keys, else ``"kvcache"``."""
+    return "mooncake" if isinstance(obj, dict) and _MOONCAKE_HINT & obj.keys() else "kvcache"
+
+
+def _records(
+    path: str | os.PathLike[str], first: int | None
+) -> Iterator[tuple[int, int, str, TraceRequest | MooncakeLine]]:
+    """``(line number, request index, format, parsed line)`` for each request of the file, in
+    file order, checked (a file holds one format; kvcache ids are unique)."""
     p = Path(path)
     try:
         f = p.open(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot read trace {str(p)!r}: {e.strerror or e}") from None
-    out: list[TraceRequest] = []
     seen: dict[int, int] = {}
+    fmt: tuple[str, int] | None = None  # the file's format and the line that set it
+    index = 0
     with f:
         try:
             for lineno, line in enumerate(f, 1):
+                if first is not None and index >= first:
+                    break
                 if not line.strip():
                     continue
                 try:
-                    req = _parse_trace_line(json.loads(line))
+                    obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+                kind = _line_format(obj)
+                if fmt is None:
+                    fmt = (kind, lineno)
+                elif kind != fmt[0]:
+                    raise ValueError(
+                        f"{p}:{lineno}: a {_FORMAT_NAMES[kind]} line in a "
+                        f"{_FORMAT_NAMES[fmt[0]]} trace (line {fmt[1]} is in "
+                        f"{_FORMAT_NAMES[fmt[0]]}'s format); a trace holds one format"
+                    )
+                parsed: TraceRequest | MooncakeLine
+                try:
+                    if kind == "mooncake":
+                        parsed = parse_mooncake_line(obj)
+                    else:
+                        parsed = _parse_trace_line(obj)
                 except ValueError as e:  # also int() limits on huge numbers
                     raise ValueError(f"{p}:{lineno}: {e}") from None
-                if req.request_id in seen:
-                    raise ValueError(
-                        f"{p}:{lineno}: request_id {req.request_id} already used on line "
-                        f"{seen[req.request_id]}"
-                    )
-                seen[req.request_id] = lineno
-                out.append(req)
+                if isinstance(parsed, TraceRequest):
+                    if parsed.request_id in seen:
+                        raise ValueError(
+                            f"{p}:{lineno}: request_id {parsed.request_id} already used on "
+                            f"line {seen[parsed.request_id]}"
+                        )
+                    seen[parsed.request_id] = lineno
+                yield lineno, index, kind, parsed
+                index += 1
         except UnicodeDecodeError as e:
             raise ValueError(f"{p}: not a UTF-8 text file ({e.reason})") from None
         except OSError as e:
             raise ValueError(f"cannot read trace {str(p)!r}: {e.strerror or e}") from None
-    if not out:
+    if index == 0:
         raise ValueError(f"{p}: the trace holds no requests")
-    return out
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """What one pass over a trace file found, without synthesizing a token.
+
+    Attributes:
+        format: ``"kvcache"`` or ``"mooncake"``.
+        requests: Requests replayed (at most ``first``).
+        lengths: Prompt plus output minus one, per request in file order (the most tokens
+            each holds in the cache).
+        arrivals: Arrival step per request, in file order.
+        prompt_tokens: Prompt tokens of all requests.
+        in_order: The arrivals never decrease in file order (a replay can stream the file).
+    """
+
+    format: str
+    requests: int
+    lengths: tuple[int, ...]
+    arrivals: tuple[int, ...]
+    prompt_tokens: int
+    in_order: bool
+
+
+class TraceFile:
+    """A trace on disk in either format, read line by line each time it is iterated.
+
+    Iterating it yields :class:`TraceRequest` objects in file order, each made only when it
+    is reached (a Mooncake line's tokens are synthesized then), so a replay holds only the
+    requests it has read and not finished. :func:`~kvcache.simulate.simulate` takes one
+    directly; :meth:`scan` checks the whole file first without making tokens.
+
+    Args:
+        path: The JSON Lines file: kvcache's format or Mooncake's (see the module
+            docstring), recognized by its keys.
+        first: Replay only the first ``first`` requests of the file (``None``: all).
+        arrival: ``"timestamps"``: each request arrives when the file says (kvcache's
+            ``arrival`` step; a Mooncake ``timestamp`` divided by ``step_ms``);
+            ``"asap"``: every request arrives at step 0, in file order.
+        step_ms: Milliseconds per engine step for a Mooncake trace's timestamps (``None``:
+            :data:`~kvcache.simulate.mooncake.DEFAULT_STEP_MS`).
+
+    Raises:
+        ValueError: ``first`` < 1, an unknown ``arrival``, ``step_ms`` not a positive
+            number, or ``step_ms`` with ``arrival="asap"``; reading raises what
+            :func:`read_trace` raises, and ``step_ms`` on a kvcache-format trace.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        first: int | None = None,
+        arrival: str = "timestamps",
+        step_ms: float | None = None,
+    ) -> None:
+        if first is not None and (not _is_int(first) or first < 1):
+            raise ValueError(f"first must be an int >= 1, got {first!r}")
+        if arrival not in ARRIVAL_MODES:
+            raise ValueError(f"arrival must be one of {', '.join(ARRIVAL_MODES)}, got {arrival!r}")
+        if step_ms is not None:
+            if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)):
+                raise ValueError(f"step_ms must be a positive number, got {step_ms!r}")
+            if not math.isfinite(step_ms) or step_ms <= 0:
+                raise ValueError(f"step_ms must be a positive number, got {step_ms!r}")
+            if arrival == "asap":
+                raise ValueError("step_ms times a trace's timestamps; arrival='asap' ignores them")
+        self.path = Path(path)
+        self.first = first
+        self.arrival = arrival
+        self.step_ms = step_ms
+        self._summary: TraceSummary | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TraceFile({str(self.path)!r}, first={self.first!r}, arrival={self.arrival!r}, "
+            f"step_ms={self.step_ms!r})"
+        )
+
+    def _arrival(self, kind: str, parsed: TraceRequest | MooncakeLine, lineno: int) -> int:
+        if self.arrival == "asap":
+            return 0
+        if isinstance(parsed, TraceRequest):
+            if self.step_ms is not None:
+                raise ValueError(
+                    f"{self.path}:{lineno}: step_ms times Mooncake timestamps (milliseconds); "
+                    "this kvcache-format trace gives arrivals in engine steps"
+                )
+            return parsed.arrival
+        return arrival_step(parsed.timestamp, self.step_ms or DEFAULT_STEP_MS)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        for lineno, index, kind, parsed in _records(self.path, self.first):
+            arrival = self._arrival(kind, parsed, lineno)
+            if isinstance(parsed, TraceRequest):
+                yield parsed if arrival == parsed.arrival else replace(parsed, arrival=arrival)
+            else:
+                prompt = mooncake_prompt_tokens(parsed.hash_ids, parsed.input_length)
+                output = mooncake_output_tokens(index, parsed.output_length)
+                yield TraceRequest(index, arrival, tuple(prompt.tolist()), tuple(output.tolist()))
+
+    def token_arrays(self) -> Iterator[TokenArrays]:
+        """Each request as arrays, in file order, without making Python tuples (for
+        :mod:`kvcache.simulate.bounds`)."""
+        for lineno, index, kind, parsed in _records(self.path, self.first):
+            arrival = self._arrival(kind, parsed, lineno)
+            if isinstance(parsed, TraceRequest):
+                yield TokenArrays(
+                    parsed.request_id,
+                    arrival,
+                    np.asarray(parsed.prompt, dtype=np.int32),
+                    np.asarray(parsed.output, dtype=np.int32),
+                    parsed.lora_task_id,
+                    parsed.cache_salt,
+                )
+            else:
+                yield TokenArrays(
+                    index,
+                    arrival,
+                    mooncake_prompt_tokens(parsed.hash_ids, parsed.input_length),
+                    mooncake_output_tokens(index, parsed.output_length),
+                )
+
+    def scan(self) -> TraceSummary:
+        """Checks every line and sums the file up (once; later calls return the same).
+
+        Raises:
+            ValueError: What :func:`read_trace` raises.
+        """
+        if self._summary is None:
+            lengths: list[int] = []
+            arrivals: list[int] = []
+            prompt_tokens = 0
+            kind = "kvcache"
+            for lineno, _, kind, parsed in _records(self.path, self.first):
+                arrivals.append(self._arrival(kind, parsed, lineno))
+                if isinstance(parsed, TraceRequest):
+                    n_in, n_out = len(parsed.prompt), len(parsed.output)
+                else:
+                    n_in, n_out = parsed.input_length, max(parsed.output_length, 1)
+                lengths.append(n_in + n_out - 1)
+                prompt_tokens += n_in
+            in_order = all(a <= b for a, b in itertools.pairwise(arrivals))
+            self._summary = TraceSummary(
+                kind, len(lengths), tuple(lengths), tuple(arrivals), prompt_tokens, in_order
+            )
+        return self._summary
+
+    def __len__(self) -> int:
+        return self.scan().requests
+
+
+@dataclass(frozen=True)
+class TokenArrays:
+    """One request of a trace as arrays (see :meth:`TraceFile.token_arrays`)."""
+
+    request_id: int
+    arrival: int
+    prompt: npt.NDArray[np.int32]
+    output: npt.NDArray[np.int32]
+    lora_task_id: int | None = None
+    cache_salt: str | int | None = None
+
+
+def iter_trace(
+    path: str | os.PathLike[str],
+    *,
+    first: int | None = None,
+    arrival: str = "timestamps",
+    step_ms: float | None = None,
+) -> Iterator[TraceRequest]:
+    """Streams a trace's requests in file order, each made only when reached (see
+    :class:`TraceFile` for the arguments).
+
+    Raises:
+        ValueError: As :func:`read_trace`, when the bad line is reached.
+    """
+    return iter(TraceFile(path, first=first, arrival=arrival, step_ms=step_ms))
+
+
+def read_trace(
+    path: str | os.PathLike[str],
+    *,
+    first: int | None = None,
+    arrival: str = "timestamps",
+    step_ms: float | None = None,
+) -> list[TraceRequest]:
+    """Reads a JSON Lines trace in kvcache's or Mooncake's format (see the module docstring);
+    blank lines are skipped. The arguments are :class:`TraceFile`'s.
+
+    Raises:
+        ValueError: The file cannot be read, a line is malformed (``FILE:LINE: why``), a
+            request id repeats, the file mixes the two formats (naming the first line of
+            the other one), or it holds no request.
+
+    Example:
+        A line ``{"request_id": 3, "arrival": 2, "prompt": [1, 2], "output": [3]}`` becomes
+        ``TraceRequest(request_id=3, arrival=2, prompt=(1, 2), output=(3,))``; the ``i``-th
+        line (0-based) ``{"timestamp": 120, "input_length": 700, "output_length": 4,
+        "hash_ids": [5, 6]}`` becomes request ``i`` arriving at step 2 (50 ms per step) with
+        700 synthesized prompt tokens and 4 output tokens.
+    """
+    return list(iter_trace(path, first=first, arrival=arrival, step_ms=step_ms))
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | os.PathLike[str]) -> None:
