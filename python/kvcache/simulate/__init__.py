@@ -8,14 +8,19 @@ generates one token for every generation request (more with draft tokens). Outpu
 come from the workload, so runs are deterministic.
 
 Workloads are either the built-in seeded multi-turn chat generator
-(:func:`default_workload`) or a JSON Lines trace (:func:`read_trace`), one request per line::
+(:func:`default_workload`) or a JSON Lines trace (:func:`read_trace`, or :class:`TraceFile`
+to stream it), one request per line, in kvcache's format::
 
     {"request_id": 1, "arrival": 0, "prompt": [1, 2, 3], "output": [4, 5]}
 
 with optional ``"lora_task_id"`` (int), ``"cache_salt"`` (str or int) and ``"priority"``
-(int 0..100). ``arrival`` is the engine step at which the request arrives.
+(int 0..100), ``arrival`` being the engine step at which the request arrives; or in
+Mooncake's (:mod:`~kvcache.simulate.mooncake`: ``timestamp``, ``input_length``,
+``output_length``, ``hash_ids``), tokens synthesized per hash id.
 
 Modules: :mod:`~kvcache.simulate.workload` (traces, the built-in workload),
+:mod:`~kvcache.simulate.mooncake` (Mooncake's format), :mod:`~kvcache.simulate.bounds`
+(offline hit-rate bounds and the lost-hit split),
 :mod:`~kvcache.simulate.loop` (:func:`simulate`), :mod:`~kvcache.simulate.report` (text and
 JSON reports), :mod:`~kvcache.simulate.plot` (matplotlib) and
 :mod:`~kvcache.simulate.command` (``kvcache simulate``).
@@ -30,6 +35,16 @@ Example:
 
 from __future__ import annotations
 
+from kvcache.simulate.bounds import (
+    HitBounds,
+    KeyTrace,
+    RunRecord,
+    analyze_run,
+    belady_hits,
+    ideal_hits,
+    key_trace,
+    lru_hits,
+)
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MEMORY,
@@ -37,7 +52,9 @@ from kvcache.simulate.loop import (
     MAX_SIMULATED_BLOCKS,
     simulate,
     simulation_blocks,
+    trace_lengths,
 )
+from kvcache.simulate.mooncake import DEFAULT_STEP_MS
 from kvcache.simulate.plot import plot_reports
 from kvcache.simulate.report import (
     SimulationReport,
@@ -47,33 +64,51 @@ from kvcache.simulate.report import (
     report_json,
 )
 from kvcache.simulate.workload import (
+    ARRIVAL_MODES,
     DEFAULT_CONVERSATIONS,
     MAX_REQUEST_ID,
     MAX_TOKEN_ID,
+    TraceFile,
     TraceRequest,
+    TraceSummary,
     default_workload,
+    iter_trace,
     read_trace,
     write_trace,
 )
 
 __all__ = [
+    "ARRIVAL_MODES",
     "DEFAULT_CONVERSATIONS",
     "DEFAULT_MAX_BATCH_SIZE",
     "DEFAULT_MEMORY",
     "DEFAULT_MODEL",
+    "DEFAULT_STEP_MS",
     "MAX_REQUEST_ID",
     "MAX_SIMULATED_BLOCKS",
     "MAX_TOKEN_ID",
+    "HitBounds",
+    "KeyTrace",
+    "RunRecord",
     "SimulationReport",
+    "TraceFile",
     "TraceRequest",
+    "TraceSummary",
     "WindowReport",
+    "analyze_run",
+    "belady_hits",
     "default_workload",
     "format_comparison",
     "format_report",
+    "ideal_hits",
+    "iter_trace",
+    "key_trace",
+    "lru_hits",
     "plot_reports",
     "read_trace",
     "report_json",
     "simulate",
     "simulation_blocks",
+    "trace_lengths",
     "write_trace",
 ]

@@ -10,8 +10,9 @@ come from the workload, so runs are deterministic.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -22,8 +23,10 @@ from kvcache.manager import KVCacheManager
 from kvcache.models import ModelPreset, load_model
 from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
+from kvcache.simulate.bounds import KeyTrace, RunRecord, analyze_run
+from kvcache.simulate.bounds import key_trace as make_key_trace
 from kvcache.simulate.report import SimulationReport, WindowReport
-from kvcache.simulate.workload import _VOCAB, TraceRequest
+from kvcache.simulate.workload import _VOCAB, TraceFile, TraceRequest
 from kvcache.sizing import (
     blocks_per_window,
     bytes_per_token,
@@ -40,6 +43,7 @@ __all__ = [
     "MAX_SIMULATED_BLOCKS",
     "simulate",
     "simulation_blocks",
+    "trace_lengths",
 ]
 
 #: The preset simulated when none is given (a VSWA model: 5 sliding layers per full one).
@@ -60,8 +64,8 @@ MAX_SIMULATED_BLOCKS = 2**25
 class _Progress:
     """A one-line progress bar: requests done and engine steps run (as in the report)."""
 
-    def __init__(self, total: int, stream: TextIO | None) -> None:
-        self._total = max(total, 1)
+    def __init__(self, total: int | None, stream: TextIO | None) -> None:
+        self._total = None if total is None else max(total, 1)
         self._stream = stream
         self._last = 0.0
 
@@ -72,12 +76,13 @@ class _Progress:
         if not final and now - self._last < 0.2:
             return
         self._last = now
-        frac = done / self._total
-        bar = "#" * int(frac * 30)
-        self._stream.write(
-            f"\rsimulating [{bar:<30}] {frac:4.0%} {done:,}/{self._total:,} requests, "
-            f"{steps:,} engine steps, running {running}  "
-        )
+        if self._total is None:  # a stream of unknown length
+            head = f"simulating {done:,} requests"
+        else:
+            frac = done / self._total
+            bar = "#" * int(frac * 30)
+            head = f"simulating [{bar:<30}] {frac:4.0%} {done:,}/{self._total:,} requests"
+        self._stream.write(f"\r{head}, {steps:,} engine steps, running {running}  ")
         if final:
             self._stream.write("\n")
         self._stream.flush()
@@ -115,8 +120,18 @@ class _Setup:
         return int(slots)
 
 
+def trace_lengths(trace: Iterable[TraceRequest] | TraceFile) -> Sequence[int] | None:
+    """Prompt plus output minus one of each request of a list or :class:`TraceFile` (the
+    file is scanned once), ``None`` for any other iterable (a stream read once)."""
+    if isinstance(trace, TraceFile):
+        return trace.scan().lengths
+    if isinstance(trace, Sequence):
+        return [len(t.prompt) + len(t.output) - 1 for t in trace]
+    return None
+
+
 def _setup(
-    trace: Sequence[TraceRequest],
+    trace: Iterable[TraceRequest] | TraceFile,
     *,
     model: str | ModelPreset,
     memory_bytes: int | None,
@@ -134,10 +149,19 @@ def _setup(
 ) -> _Setup:
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
-    if not trace:
+    lengths = trace_lengths(trace)
+    if lengths is not None and not lengths:
         raise ValueError("the workload holds no requests")
-    longest = max(len(t.prompt) + len(t.output) - 1 for t in trace)
-    seq_len = max_seq_len if max_seq_len is not None else min(longest, preset.max_context)
+    if lengths is None and max_seq_len is None:
+        raise ValueError(
+            "a stream of requests (not a list or TraceFile) needs max_seq_len: the longest "
+            "request cannot be known before the stream is read"
+        )
+    if max_seq_len is not None:
+        seq_len = max_seq_len
+    else:
+        assert lengths is not None
+        seq_len = min(max(lengths), preset.max_context)
     config = preset.kv_cache_config(
         tokens_per_block=tokens_per_block,
         window_size_shares=shares,
@@ -154,8 +178,13 @@ def _setup(
     expected: int | None = None
     if policy == "auto":
         # "auto" balances windows for a typical sequence: take the workload's mean length.
+        if not expected_seq_len and lengths is None:
+            raise ValueError(
+                "the 'auto' share policy sizes for the workload's mean length: give "
+                "expected_seq_len for a stream of requests"
+            )
         expected = expected_seq_len or round(
-            sum(min(len(t.prompt) + len(t.output) - 1, seq_len) for t in trace) / len(trace)
+            sum(min(n, seq_len) for n in lengths or ()) / max(len(lengths or ()), 1)
         )
         share_text = f"auto(L={expected})"
     blocks = blocks_per_window(
@@ -195,7 +224,7 @@ def _setup(
 
 
 def simulation_blocks(
-    trace: Sequence[TraceRequest],
+    trace: Sequence[TraceRequest] | TraceFile,
     *,
     model: str | ModelPreset = DEFAULT_MODEL,
     memory_bytes: int | None = None,
@@ -230,7 +259,7 @@ def simulation_blocks(
 
 
 def simulate(
-    trace: Sequence[TraceRequest],
+    trace: Iterable[TraceRequest] | TraceFile,
     *,
     model: str | ModelPreset = DEFAULT_MODEL,
     memory_bytes: int | None = None,
@@ -254,11 +283,23 @@ def simulate(
     disk_cache_bytes: int = 0,
     check_invariants: bool = False,
     progress: TextIO | None = None,
+    hit_bounds: bool = False,
+    key_trace: KeyTrace | None = None,
+    belady: bool = True,
 ) -> SimulationReport:
     """Replays a workload through a virtual-backend manager and reports what happened.
 
     Args:
-        trace: The requests (any order; they are replayed by arrival step, then id).
+        trace: The requests: a list (any order; replayed by arrival step, then id), a
+            :class:`~kvcache.simulate.workload.TraceFile` (streamed in file order when its
+            arrivals never decrease, else read whole and sorted) or any iterable in arrival
+            order (streamed; needs ``max_seq_len``, and ``expected_seq_len`` for ``"auto"``
+            shares). A streamed request is read when it has arrived and the engine holds
+            fewer than ``2 * max_batch_size`` requests (running ones included; the scheduler
+            admits first come, first served, at most ``max_batch_size`` at a time), and its
+            tokens are dropped when it finishes, so a long trace never sits in memory whole.
+            The run is the list's, except that more than ``max_batch_size`` requests in a
+            row that can never fit are rejected over several steps instead of one.
         model: A preset name or preset.
         memory_bytes: Primary KV memory budget (default :data:`DEFAULT_MEMORY`).
         shares: Window share policy or list (``None``: environment, else ``"equal"``).
@@ -293,6 +334,13 @@ def simulate(
         seed: Seeds the draft acceptance.
         check_invariants: Call ``check_invariants()`` after every step (slow).
         progress: Stream for a progress bar (``None``: none).
+        hit_bounds: Set the run beside the trace's offline bounds
+            (:mod:`kvcache.simulate.bounds`): the report's ``hit_bounds``. Reads the trace
+            once more before the run (not possible for a one-shot stream without
+            ``key_trace``).
+        key_trace: The trace's keys at ``tokens_per_block``, computed once for several runs
+            (:func:`~kvcache.simulate.bounds.key_trace`); implies ``hit_bounds``.
+        belady: With ``hit_bounds``, also the Belady bound (one more pass).
 
     Returns:
         The report, with per-step series for plotting.
@@ -300,8 +348,11 @@ def simulate(
     Raises:
         ValueError: Bad arguments, shares or budget: at least one block per window, and at
             most :data:`MAX_SIMULATED_BLOCKS` blocks in all (the manager keeps about
-            :data:`BOOKKEEPING_BYTES_PER_BLOCK` bytes of bookkeeping per block).
+            :data:`BOOKKEEPING_BYTES_PER_BLOCK` bytes of bookkeeping per block); a stream
+            whose arrivals decrease.
     """
+    if isinstance(trace, TraceFile) and not trace.scan().in_order:
+        trace = sorted(trace, key=lambda t: (t.arrival, t.request_id))
     setup = _setup(
         trace,
         model=model,
@@ -318,10 +369,25 @@ def simulate(
         draft_tokens=draft_tokens,
         disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
     )
+    keys: KeyTrace | None = None
+    if enable_block_reuse and (hit_bounds or key_trace is not None):
+        keys = key_trace
+        if keys is None:
+            if not isinstance(trace, (Sequence, TraceFile)):
+                raise ValueError(
+                    "hit_bounds reads the trace once more: give a list, a TraceFile or "
+                    "key_trace, not a one-shot stream"
+                )
+            keys = make_key_trace(trace, tokens_per_block)
+        elif keys.tokens_per_block != tokens_per_block:
+            raise ValueError(
+                f"key_trace is keyed at {keys.tokens_per_block} tokens per block, the run "
+                f"at {tokens_per_block}"
+            )
     engine = _Engine(
         setup,
         setup.config,
-        {t.request_id: t.output for t in trace},
+        {},
         scheduler=scheduler,
         max_batch_size=max_batch_size,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -331,23 +397,46 @@ def simulate(
         draft_acceptance=draft_acceptance,
         rng=np.random.default_rng(seed),
         check_invariants=check_invariants,
+        record=keys is not None,
     )
-    pending = _requests(trace)
-    next_pending = 0
-    bar = _Progress(len(pending), progress)
+    if isinstance(trace, Sequence):
+        in_order = sorted(trace, key=lambda t: (t.arrival, t.request_id))
+        ordered: Iterable[TraceRequest] = in_order
+        arrivals: Sequence[int] | None = [t.arrival for t in in_order]
+    elif isinstance(trace, TraceFile):
+        ordered, arrivals = trace, trace.scan().arrivals
+    else:
+        ordered, arrivals = trace, None
+    source = iter(ordered)
+    # A list is in memory already: every arrived request waits in the engine, as before. A
+    # stream is read only as far as the scheduler looks (first come, first served, at most
+    # max_batch_size admissions a step).
+    ahead = 2 * max_batch_size
+    if isinstance(trace, Sequence):
+        ahead = max(ahead, len(trace))
+    bar = _Progress(len(arrivals) if arrivals is not None else None, progress)
     wall0 = time.perf_counter()
-    step = 0
-    while next_pending < len(pending) or engine.active:
-        if not engine.active and pending[next_pending].arrival > step:
-            step = pending[next_pending].arrival  # idle until the next arrival
-        while next_pending < len(pending) and pending[next_pending].arrival <= step:
-            engine.admit(pending[next_pending])
-            next_pending += 1
+    step = pulled = last = 0
+    nxt = next(source, None)
+    while nxt is not None or engine.active:
+        if not engine.active and nxt is not None and nxt.arrival > step:
+            step = nxt.arrival  # idle until the next arrival
+        while nxt is not None and nxt.arrival <= step and len(engine.active) < ahead:
+            if nxt.arrival < last:
+                raise ValueError(
+                    f"request {nxt.request_id} arrives at step {nxt.arrival}, before the one "
+                    f"read before it (step {last}): a stream must come in arrival order"
+                )
+            last = nxt.arrival
+            engine.admit(_request(nxt), nxt.output)
+            pulled += 1
+            nxt = next(source, None)
+        engine.unread = bisect.bisect_right(arrivals, step) - pulled if arrivals is not None else 0
         running = engine.step(step)
         step += 1
         bar.update(engine.num_done, engine.num_steps, running)
     bar.update(engine.num_done, engine.num_steps, 0, final=True)
-    return engine.report(
+    report = engine.report(
         wall_seconds=time.perf_counter() - wall0,
         enable_block_reuse=enable_block_reuse,
         swa_reuse_policy=swa_reuse_policy,
@@ -355,22 +444,35 @@ def simulate(
         host_cache_bytes=host_cache_bytes,
         disk_cache_bytes=disk_cache_bytes,
     )
+    if keys is not None:
+        window = max(setup.blocks)
+        primary, secondary = setup.blocks[window]
+        report.hit_bounds = analyze_run(
+            keys,
+            engine.run_record(),
+            capacity_blocks=primary + secondary + setup.disk[window],
+            capacity_window=window,
+            belady=belady,
+        )
+    return report
+
+
+def _request(t: TraceRequest) -> Request:
+    """A trace request as the scheduler's."""
+    return Request(
+        t.request_id,
+        prompt=t.prompt,
+        max_new_tokens=len(t.output),
+        lora_task_id=t.lora_task_id,
+        cache_salt=t.cache_salt,
+        priority=t.priority,
+        arrival=t.arrival,
+    )
 
 
 def _requests(trace: Sequence[TraceRequest]) -> list[Request]:
     """The trace's requests as the scheduler's, by arrival step, then id."""
-    return [
-        Request(
-            t.request_id,
-            prompt=t.prompt,
-            max_new_tokens=len(t.output),
-            lora_task_id=t.lora_task_id,
-            cache_salt=t.cache_salt,
-            priority=t.priority,
-            arrival=t.arrival,
-        )
-        for t in sorted(trace, key=lambda t: (t.arrival, t.request_id))
-    ]
+    return [_request(t) for t in sorted(trace, key=lambda t: (t.arrival, t.request_id))]
 
 
 class _Engine:
@@ -397,6 +499,7 @@ class _Engine:
         draft_acceptance: float,
         rng: np.random.Generator,
         check_invariants: bool,
+        record: bool = False,
     ) -> None:
         self.setup = setup
         self.config = config
@@ -428,9 +531,15 @@ class _Engine:
         self._outputs = outputs
         self.windows = self.rm.window_sizes
         self.primary = {w: self.rm.num_primary_blocks(w) for w in self.windows}
-        #: Every request admitted, in order; those not yet finished or failed.
-        self.requests: list[Request] = []
+        #: Request id -> arrival step of every request admitted; those not yet finished or
+        #: failed (only these hold their tokens).
+        self.arrivals: dict[int, int] = {}
         self.active: list[Request] = []
+        #: Requests that arrived but were not read yet (a streamed workload), for the series.
+        self.unread = 0
+        #: What :func:`~kvcache.simulate.bounds.analyze_run` needs (``None``: not recorded).
+        self.record = RunRecord() if record else None
+        self._first_prompt_tokens = 0
         #: Request id -> the engine step after which it finished.
         self.finish_step: dict[int, int] = {}
         #: Request id -> prompt tokens it reused when it was first registered.
@@ -454,10 +563,29 @@ class _Engine:
         """Engine steps run."""
         return len(self.series["step"])
 
-    def admit(self, r: Request) -> None:
-        """Queues ``r``: the next :meth:`step` may schedule it."""
-        self.requests.append(r)
+    def admit(self, r: Request, output: Sequence[int] | None = None) -> None:
+        """Queues ``r`` (with the tokens it will generate, unless the engine was given them):
+        the next :meth:`step` may schedule it."""
+        self.arrivals[r.request_id] = r.arrival
+        if output is not None:
+            self._outputs[r.request_id] = tuple(output)
         self.active.append(r)
+
+    def _lost_counters(self) -> tuple[int, int]:
+        """The manager's lost-hit counters: sliding window, no checkpoint."""
+        stats = self.manager.get_kv_cache_stats()
+        return int(stats.lost_hit_tokens_sliding_window), int(stats.lost_hit_tokens_no_checkpoint)
+
+    def run_record(self) -> RunRecord:
+        """The run's record for the bounds (the engine must have been made with ``record``)."""
+        assert self.record is not None
+        rec = self.record
+        rec.first_reuse = dict(self.first_reuse)
+        computed = self.context_tokens - self.reused_tokens
+        rec.recomputed_tokens = computed - (
+            self._first_prompt_tokens - sum(self.first_reuse.values())
+        )
+        return rec
 
     def step(self, step: int) -> int:
         """Runs engine step ``step`` over the active requests; returns the batch size.
@@ -478,6 +606,8 @@ class _Engine:
         t1 = time.perf_counter()
         batch = out.batch
         self.rejected += len(out.rejected)
+        for r in out.rejected:
+            outputs.pop(r.request_id, None)
         self.pause_events += len(out.paused)
         self.paused_ids.update(r.request_id for r in out.paused)
         if len(batch) == 0 and not out.rejected and not out.paused:
@@ -486,12 +616,30 @@ class _Engine:
                 "the pools are too small for the workload"
             )
         starting = [r for r in batch.context_requests if not rm.has_request(r)]
+        rec = self.record
+        lost0 = None
+        untimed = 0.0  # the record's counter reads are not manager time
+        if rec is not None and starting:
+            ts = time.perf_counter()
+            lost0 = self._lost_counters()
+            untimed = time.perf_counter() - ts
         rm.prepare_resources(batch)
         t2 = time.perf_counter()
+        resumed = False
         for r in starting:  # registered this step: its cached prefix counts once
             self.context_tokens += r.reused_tokens
             self.reused_tokens += r.reused_tokens
-            self.first_reuse.setdefault(r.request_id, r.reused_tokens)
+            if r.request_id in self.first_reuse:
+                resumed = True
+                continue
+            self.first_reuse[r.request_id] = r.reused_tokens
+            self._first_prompt_tokens += len(r.prompt)
+            if rec is not None:
+                rec.admit_step[r.request_id] = step
+        if lost0 is not None and rec is not None and not resumed:
+            sliding, checkpoint = self._lost_counters()
+            rec.lost_sliding_tokens += sliding - lost0[0]
+            rec.lost_checkpoint_tokens += checkpoint - lost0[1]
         for r in batch.context_requests:
             self.context_tokens += batch.chunk_size(r)
             self.chunks += 1
@@ -514,7 +662,15 @@ class _Engine:
             self.finish_step[r.request_id] = step + 1
         self.manager.refresh_blocks()
         t4 = time.perf_counter()
-        self.manager_times.append((t2 - t1) + (t4 - t3))
+        self.manager_times.append((t2 - t1 - untimed) + (t4 - t3))
+        for r in done:
+            outputs.pop(r.request_id, None)
+        if rec is not None:
+            # Blocks stored this step are found from the next one on.
+            for r in batch.context_requests:
+                rec.progress.setdefault(r.request_id, []).append((step + 1, r.context_position))
+            for r in done:
+                rec.finish_step[r.request_id] = step + 1
         self.sched_times.append(t1 - t0)
         if self._check:
             self.manager.check_invariants()
@@ -523,6 +679,7 @@ class _Engine:
         series["step"].append(step)
         series["running"].append(len(batch))
         waiting = sum(1 for r in active if r.state in (RequestState.WAITING, RequestState.PAUSED))
+        waiting += self.unread
         series["waiting"].append(waiting)
         for w in self.windows:
             series[f"used_{w}"].append(rm.get_num_used_blocks(w))
@@ -550,12 +707,7 @@ class _Engine:
         stats = manager.get_kv_cache_stats()
         lookups = stats.reused_blocks + stats.missed_blocks
         latencies = np.array(
-            [
-                self.finish_step[r.request_id] - r.arrival
-                for r in self.requests
-                if r.request_id in self.finish_step
-            ],
-            dtype=float,
+            [step - self.arrivals[rid] for rid, step in self.finish_step.items()], dtype=float
         )
         running = np.array(series["running"], dtype=float)
         mt = np.array(self.manager_times) * 1e6
@@ -581,7 +733,7 @@ class _Engine:
                 )
                 for w in self.windows
             ],
-            requests=len(self.requests),
+            requests=len(self.arrivals),
             completed=len(self.finish_step),
             rejected=self.rejected,
             steps=len(series["step"]),

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvcache.simulate.bounds import HitBounds
 from kvcache.sizing import format_size
 
 __all__ = [
@@ -105,6 +106,9 @@ class SimulationReport:
     #: checkpoints stored, restored (hits resumed from one), skipped and evicted.
     state_slots: int = 0
     checkpoints: dict[str, int] = field(default_factory=dict)
+    #: The run beside the trace's offline bounds (``simulate(..., hit_bounds=True)``, the
+    #: command line's default; ``None`` without them or without reuse).
+    hit_bounds: HitBounds | None = None
 
     def to_dict(self, *, with_series: bool = True) -> dict[str, Any]:
         """JSON-friendly form (per-step series included unless ``with_series`` is false)."""
@@ -238,6 +242,8 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
                 f"{c.get('stored', 0):,}, restored {c.get('restored', 0):,}, skipped "
                 f"{c.get('skipped', 0):,}, evicted {c.get('evicted', 0):,}"
             )
+        if r.hit_bounds is not None:
+            lines += _bounds_lines(r.hit_bounds)
         if r.disk_cache_bytes and r.cache_hit_rate_without_disk is not None:
             gain = 100 * (r.cache_hit_rate - r.cache_hit_rate_without_disk)
             lines.append(
@@ -246,6 +252,31 @@ def format_report(r: SimulationReport, *, workload: str | None = None) -> str:
             )
     lines.append(f"  wall time           {r.wall_seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _bounds_lines(b: HitBounds) -> list[str]:
+    """The report's lines on the offline bounds and the lost hits."""
+    prompt = max(b.prompt_tokens, 1)
+    belady = "" if b.belady_hit_rate is None else f", Belady {b.belady_hit_rate:.1%}"
+    partial = (
+        f" (+{b.partial_tokens:,} tokens of partly matched blocks)" if b.partial_tokens else ""
+    )
+    lost = ", ".join(
+        f"{k} {v / prompt:.1%}" for k, v in b.lost_tokens.items() if v or k == "capacity"
+    )
+    return [
+        f"  vs the possible     prompt tokens hit: achieved {b.achieved_hit_rate:.1%}{partial}, "
+        f"LRU {b.lru_hit_rate:.1%}{belady}, ideal {b.ideal_hit_rate:.1%}",
+        f"                      (ideal: an unbounded cache; LRU and Belady: "
+        f"{b.capacity_blocks:,} blocks, the pool of window {b.capacity_window:,}; offline, "
+        f"{b.tokens_per_block}-token blocks)",
+        f"  lost vs ideal       {lost} of prompt tokens; never seen "
+        f"{b.never_seen_tokens / prompt:.1%}"
+        + (
+            f"; preemption recomputed {b.recomputed_tokens:,} tokens" if b.recomputed_tokens else ""
+        ),
+        f"  verdict             {b.verdict}",
+    ]
 
 
 def _rate(r: SimulationReport) -> str:
@@ -273,6 +304,17 @@ def format_comparison(reports: Sequence[SimulationReport], *, workload: str | No
         ("mean latency (steps)", [f"{r.mean_latency_steps:,.0f}" for r in reports]),
         ("prefix hit rate", [_rate(r) for r in reports]),
     ]
+    if all(r.hit_bounds is not None for r in reports):
+        hb = [r.hit_bounds for r in reports if r.hit_bounds is not None]
+        rows += [
+            ("prompt tokens hit", [f"{b.achieved_hit_rate:.1%}" for b in hb]),
+            ("  LRU (same size)", [f"{b.lru_hit_rate:.1%}" for b in hb]),
+            (
+                "  Belady (same size)",
+                ["n/a" if b.belady_hit_rate is None else f"{b.belady_hit_rate:.1%}" for b in hb],
+            ),
+            ("  ideal (unbounded)", [f"{b.ideal_hit_rate:.1%}" for b in hb]),
+        ]
     for i, w in enumerate(reports[0].windows):
         rows.append((f"window {w.window:,} blocks", [f"{r.windows[i].blocks:,}" for r in reports]))
         rows.append(
