@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -272,6 +273,23 @@ def _int_in(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
 
 
 _positive_int32 = _int_in(1, _INT32_MAX, "the core stores it as a 32-bit integer")
+
+
+def _positive_ms(text: str) -> float:
+    """An argparse type: a finite number of milliseconds > 0."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of milliseconds, got {text!r}"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of milliseconds, got {text!r}"
+        )
+    return value
+
+
 _non_negative_int32 = _int_in(0, _INT32_MAX, "the core stores it as a 32-bit integer")
 
 
@@ -453,7 +471,41 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         help="equal | proportional | auto | a,b,... (default: KVCACHE_WINDOW_SIZE_SHARES, "
         "else equal); auto(L=N) in the report means auto sized for sequences of N tokens",
     )
-    p_sim.add_argument("--trace", default=None, metavar="FILE", help="JSON Lines trace to replay")
+    p_sim.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="JSON Lines trace to replay: kvcache's format or Mooncake's (timestamp, "
+        "input_length, output_length, hash_ids), streamed",
+    )
+    p_sim.add_argument(
+        "--first",
+        type=_int_in(1, 2**63 - 1),
+        default=None,
+        metavar="N",
+        help="replay only the first N requests of --trace (file order)",
+    )
+    p_sim.add_argument(
+        "--arrival",
+        choices=["timestamps", "asap"],  # kvcache.simulate.ARRIVAL_MODES
+        default="timestamps",
+        help="timestamps: requests arrive when the trace says; asap: all at step 0, in file "
+        "order (default: timestamps)",
+    )
+    p_sim.add_argument(
+        "--step-ms",
+        type=_positive_ms,
+        default=None,
+        metavar="MS",
+        help="milliseconds per engine step: a Mooncake timestamp t arrives at step "
+        "floor(t / MS) (default 50)",
+    )
+    p_sim.add_argument(
+        "--no-bounds",
+        action="store_true",
+        help="skip the offline bounds (ideal, LRU and Belady hit rates of the trace) and the "
+        "lost-hit split",
+    )
     p_sim.add_argument("--max-batch-size", type=_positive_int32, default=None)
     p_sim.add_argument(
         "--max-seq-len",

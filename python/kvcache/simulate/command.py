@@ -22,13 +22,16 @@ from kvcache.config import SHARE_POLICIES
 from kvcache.models import ModelPreset, load_model
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.beams import beam_footprint, format_beam_footprint
+from kvcache.simulate.bounds import key_trace
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MEMORY,
     DEFAULT_MODEL,
     simulate,
     simulation_blocks,
+    trace_lengths,
 )
+from kvcache.simulate.mooncake import DEFAULT_STEP_MS
 from kvcache.simulate.plot import check_plot_path, plot_reports
 from kvcache.simulate.report import (
     SimulationReport,
@@ -39,9 +42,9 @@ from kvcache.simulate.report import (
 from kvcache.simulate.workload import (
     DEFAULT_CONVERSATIONS,
     DEFAULT_MAX_SEQ_LEN,
+    TraceFile,
     TraceRequest,
     default_workload,
-    read_trace,
 )
 from kvcache.sizing import format_size, parse_size, resolve_share_policy, window_sizes
 
@@ -93,7 +96,18 @@ def _check_flags(args: argparse.Namespace) -> None:
             f"--max-num-batched-tokens {budget} must exceed --draft-tokens "
             f"{args.draft_tokens}: a generation step takes 1 + drafts tokens"
         )
+    if getattr(args, "step_ms", None) is not None and getattr(args, "arrival", "") == "asap":
+        raise ValueError(
+            "--step-ms times a trace's timestamps; --arrival asap puts every request at step 0"
+        )
     if args.trace is None:
+        for flag, used in (
+            ("--first", getattr(args, "first", None) is not None),
+            ("--arrival asap", getattr(args, "arrival", "timestamps") == "asap"),
+            ("--step-ms", getattr(args, "step_ms", None) is not None),
+        ):
+            if used:
+                raise ValueError(f"{flag} replays a trace as given; it needs --trace")
         return
     if args.num_conversations is not None:
         raise ValueError(
@@ -107,14 +121,67 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _workload(
+def _trace_file(args: argparse.Namespace) -> TraceFile:
+    """The ``--trace`` file with ``--first``, ``--arrival`` and ``--step-ms``, checked whole."""
+    first, arrival = getattr(args, "first", None), getattr(args, "arrival", "timestamps")
+    tf = TraceFile(args.trace, first=first, arrival=arrival)
+    summary = tf.scan()  # every line checked before the first step
+    step_ms = getattr(args, "step_ms", None)
+    if step_ms is not None:
+        if summary.format != "mooncake":
+            raise ValueError(
+                f"--step-ms times a Mooncake trace's timestamps (milliseconds); {args.trace} is "
+                "in kvcache's format, whose arrivals are engine steps"
+            )
+        tf = TraceFile(args.trace, first=first, arrival=arrival, step_ms=step_ms)
+        tf.scan()
+    return tf
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[TraceRequest], str, dict[str, Any]]:
+    """The requests in a list (a fleet routes them from memory), a one-line description and
+    the JSON description."""
+    trace, text, info = _workload_stream(args)
+    return (trace if isinstance(trace, list) else list(trace)), text, info
+
+
+def _workload_stream(
     args: argparse.Namespace,
-) -> tuple[list[TraceRequest], str, dict[str, Any]]:
-    """The requests, a one-line description and the JSON description."""
+) -> tuple[list[TraceRequest] | TraceFile, str, dict[str, Any]]:
+    """As :func:`_workload`, with ``--trace`` as a :class:`TraceFile` (streamed)."""
     if args.trace is not None:
-        trace = read_trace(args.trace)
-        text = f"trace {args.trace}, {len(trace):,} requests"
-        return trace, text, {"source": "trace", "path": args.trace, "requests": len(trace)}
+        tf = _trace_file(args)
+        summary = tf.scan()
+        n = summary.requests
+        info: dict[str, Any] = {
+            "source": "trace",
+            "path": args.trace,
+            "format": summary.format,
+            "requests": n,
+            "first": tf.first,
+            "arrival": tf.arrival,
+        }
+        if summary.format == "mooncake":
+            arrivals = (
+                "all at step 0"
+                if tf.arrival == "asap"
+                else (f"timestamps at {tf.step_ms or DEFAULT_STEP_MS:g} ms per engine step")
+            )
+            if tf.arrival != "asap":
+                info["step_ms"] = tf.step_ms or DEFAULT_STEP_MS
+            text = (
+                f"Mooncake trace {args.trace}, {n:,} requests"
+                + (f" (the first {tf.first:,} of the file)" if tf.first is not None else "")
+                + f", {summary.prompt_tokens / n:,.0f} prompt tokens on average; arrivals: "
+                + arrivals
+            )
+        else:
+            text = (
+                f"trace {args.trace}, {n:,} requests"
+                + (f" (the first {tf.first:,} of the file)" if tf.first is not None else "")
+                + (", all arriving at step 0" if tf.arrival == "asap" else "")
+            )
+        return tf, text, info
     conversations = args.num_conversations or DEFAULT_CONVERSATIONS
     seed = args.seed or 0
     max_seq_len = args.max_seq_len or DEFAULT_MAX_SEQ_LEN
@@ -168,8 +235,8 @@ def _length_warnings(args: argparse.Namespace, model: ModelPreset, requests: int
     return out
 
 
-def _all_rejected(report: SimulationReport, trace: Sequence[TraceRequest]) -> str:
-    shortest = min(len(t.prompt) + len(t.output) - 1 for t in trace)
+def _all_rejected(report: SimulationReport, trace: Sequence[TraceRequest] | TraceFile) -> str:
+    shortest = min(trace_lengths(trace) or [0])
     if shortest > report.max_seq_len:
         return (
             f"all {report.requests:,} requests were rejected: every one is longer than "
@@ -217,7 +284,7 @@ def run_cli(args: argparse.Namespace) -> int:
             raise ValueError("--json and --plot name the same file")
         check_output_path(args.plot, "--plot")
         check_plot_path(args.plot)
-    trace, workload_text, workload_info = _workload(args)
+    trace, workload_text, workload_info = _workload_stream(args)
     warnings = _length_warnings(args, model, len(trace))  # printed once the runs succeeded
 
     show = not args.no_progress and sys.stderr.isatty()
@@ -257,7 +324,14 @@ def run_cli(args: argparse.Namespace) -> int:
         "seed": args.seed or 0,
         "progress": sys.stderr if show else None,
     }
-    reports = [simulate(trace, shares=p, disk_cache_bytes=disk_cache, **common) for p in policies]
+    keys = None
+    if not args.no_reuse and not getattr(args, "no_bounds", False):
+        ordered = trace if isinstance(trace, list) or trace.scan().in_order else list(trace)
+        keys = key_trace(ordered, sizing["tokens_per_block"])
+    reports = [
+        simulate(trace, shares=p, disk_cache_bytes=disk_cache, key_trace=keys, **common)
+        for p in policies
+    ]
     if disk_cache:  # the same runs without the disk tier: what it adds
         reports = [
             dataclasses.replace(
@@ -286,7 +360,7 @@ def run_cli(args: argparse.Namespace) -> int:
     beams = None
     if getattr(args, "num_beams", 1) > 1:
         beams = beam_footprint(
-            trace,
+            trace if isinstance(trace, list) else list(trace),
             model,
             num_beams=args.num_beams,
             tokens_per_block=args.tokens_per_block or 32,
