@@ -260,4 +260,36 @@ std::shared_ptr<const PreparedPrompt> AsPrepared(const pybind11::handle& tokens,
   return pybind11::detail::cast_op<std::shared_ptr<PreparedPrompt>>(caster);
 }
 
+std::string NumpyDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "uint16";  // numpy has no bfloat16: the raw bits
+    case DType::kFp8:
+      return "uint8";
+    case DType::kInt8:
+      return "int8";
+  }
+  return "uint8";
+}
+
+std::string ArrayTypeStr(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "<f4";
+    case DType::kFloat16:
+      return "<f2";
+    case DType::kBFloat16:
+      return "<u2";  // raw bfloat16 bits: the interface has no bfloat16 type string
+    case DType::kFp8:
+      return "|u1";
+    case DType::kInt8:
+      return "|i1";
+  }
+  return "|u1";
+}
+
 }  // namespace kvcache::py

@@ -11,11 +11,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "int_arg.h"
+#include "kvcache/types.h"
 #include "kvcache/kv_cache_manager.h"
 #include "kvcache/prepared_prompt.h"
 
@@ -159,5 +161,10 @@ std::shared_ptr<const PreparedPrompt> AsPrepared(const pybind11::handle& tokens,
                                                  const std::optional<LoraTaskId>& lora_task_id,
                                                  const std::optional<CacheSalt>& cache_salt,
                                                  const std::vector<MultimodalArg>& multimodal);
+
+/// numpy's dtype name for a KV or state element (bfloat16 and fp8 as their raw bits).
+std::string NumpyDTypeName(DType dtype);
+/// The array interface's type string (`__cuda_array_interface__`) for the same element.
+std::string ArrayTypeStr(DType dtype);
 
 }  // namespace kvcache::py

@@ -92,21 +92,7 @@ class LayerBuffer {
   }
   std::uintptr_t data_ptr() const { return reinterpret_cast<std::uintptr_t>(view_.data); }
   std::string dtype() const { return DTypeName(view_.dtype); }
-  std::string typestr() const {
-    switch (view_.dtype) {
-      case DType::kFloat32:
-        return "<f4";
-      case DType::kFloat16:
-        return "<f2";
-      case DType::kBFloat16:
-        return "<u2";  // raw bfloat16 bits: the interface has no bfloat16 type string
-      case DType::kFp8:
-        return "|u1";
-      case DType::kInt8:
-        return "|i1";
-    }
-    return "|u1";
-  }
+  std::string typestr() const { return ArrayTypeStr(view_.dtype); }
   pybind11::dict cuda_array_interface() const {
     if (!device_) throw pybind11::attribute_error("host memory has no __cuda_array_interface__");
     pybind11::dict d;
@@ -184,27 +170,9 @@ namespace kvcache::py {
 namespace {
 
 pybind11::object NumpyLayerView(const LayerView& v, const pybind11::object& owner) {
-  std::string fmt;
-  switch (v.dtype) {
-    case DType::kFloat32:
-      fmt = "float32";
-      break;
-    case DType::kFloat16:
-      fmt = "float16";
-      break;
-    case DType::kBFloat16:
-      fmt = "uint16";  // numpy has no bfloat16: the raw bits
-      break;
-    case DType::kFp8:
-      fmt = "uint8";
-      break;
-    case DType::kInt8:
-      fmt = "int8";
-      break;
-  }
   std::vector<pybind11::ssize_t> shape(v.shape.begin(), v.shape.end());
   std::vector<pybind11::ssize_t> strides(v.strides.begin(), v.strides.end());
-  return pybind11::array(pybind11::dtype(fmt), shape, strides, v.data, owner);
+  return pybind11::array(pybind11::dtype(NumpyDTypeName(v.dtype)), shape, strides, v.data, owner);
 }
 
 /// Binds a read-only query over a prompt and its reuse keys: converts the arguments, releases

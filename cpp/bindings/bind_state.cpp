@@ -21,38 +21,6 @@ namespace {
 namespace py = pybind11;
 using M = KVCacheManager;
 
-std::string NumpyFormat(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "uint16";  // numpy has no bfloat16: the raw bits
-    case DType::kFp8:
-      return "uint8";
-    case DType::kInt8:
-      return "int8";
-  }
-  return "uint8";
-}
-
-std::string TypeStr(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "<f4";
-    case DType::kFloat16:
-      return "<f2";
-    case DType::kBFloat16:
-      return "<u2";
-    case DType::kFp8:
-      return "|u1";
-    case DType::kInt8:
-      return "|i1";
-  }
-  return "|u1";
-}
-
 /// A state view on device memory: `__cuda_array_interface__` for torch.as_tensor and friends.
 class StateBuffer {
  public:
@@ -65,7 +33,7 @@ class StateBuffer {
     py::dict d;
     d["shape"] = shape();
     d["strides"] = strides();
-    d["typestr"] = TypeStr(view_.dtype);
+    d["typestr"] = ArrayTypeStr(view_.dtype);
     d["data"] = py::make_tuple(data_ptr(), false);
     d["version"] = 3;
     return d;
@@ -223,7 +191,7 @@ void BindState(py::module_& m) {
             if (v.backend == BackendKind::kHost) {
               std::vector<py::ssize_t> shape(v.shape.begin(), v.shape.end());
               std::vector<py::ssize_t> strides(v.strides.begin(), v.strides.end());
-              return py::array(py::dtype(NumpyFormat(v.dtype)), shape, strides, v.data, self_obj);
+              return py::array(py::dtype(NumpyDTypeName(v.dtype)), shape, strides, v.data, self_obj);
             }
             return py::cast(StateBuffer(std::move(v), self_obj));
           },

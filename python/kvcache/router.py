@@ -512,7 +512,16 @@ class KvIndexer:
                 cache_salt=key["cache_salt"],
                 multimodal=key["multimodal"],
             )
-        present = {g: (group, [h in group.blocks for h in hashes]) for g, group in groups.items()}
+        # Full attention needs every block: stop every group's lookups at its first miss.
+        limit = len(hashes)
+        for group in groups.values():
+            if group.window is None and not group.recurrent:
+                blocks, i = group.blocks, 0
+                while i < limit and hashes[i] in blocks:
+                    i += 1
+                limit = i
+        head = hashes[:limit]
+        present = {g: (group, [h in group.blocks for h in head]) for g, group in groups.items()}
         base = _served_blocks(present)
         if not shared or base >= len(hashes):
             return base * block_size
@@ -522,6 +531,34 @@ class KvIndexer:
             stored = self._shared.get((block_size, group.window), set())
             avail[g] = (group, [h in stored for h in hashes[base:]])
         return _store_served(avail, base, len(hashes), block_size) * block_size
+
+    def scores(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | int | None = None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None = None,
+        engines: Iterable[Hashable] | None = None,
+    ) -> dict[Hashable, int]:
+        """Every engine's :meth:`match` for one prompt at once (hashed once per block size and
+        LoRA id), in the order the index heard of them; ``engines`` restricts it.
+
+        Raises:
+            KeyError: An unknown engine in ``engines``.
+            ValueError: The arguments of :meth:`match`.
+        """
+        tokens = list(token_ids)
+        key = _key_kwargs(lora_id, cache_salt, multimodal)
+        if lora_name is not None and lora_id is not None:
+            raise ValueError("pass lora_name or lora_id, not both")
+        cache: dict[tuple[int, int | None], list[int]] = {}
+        with self._lock:
+            names = list(self._engines) if engines is None else list(engines)
+            if not names:
+                block_hashes(tokens, _NO_FULL_BLOCK)  # the prompt is still checked
+            return {e: self._match(self._engines[e], tokens, lora_name, key, cache) for e in names}
 
     def best_engine(
         self,
@@ -544,22 +581,24 @@ class KvIndexer:
         Raises:
             ValueError: No engine to choose from; the arguments of :meth:`match`.
         """
-        tokens = list(token_ids)
-        key = _key_kwargs(lora_id, cache_salt, multimodal)
-        if lora_name is not None and lora_id is not None:
-            raise ValueError("pass lora_name or lora_id, not both")
         if load is None:
             load_of: Callable[[Hashable], float] = lambda _e: 0.0  # noqa: E731
         elif callable(load):
             load_of = load
         else:
             load_of = lambda e: float(load.get(e, 0.0))  # noqa: E731
-        cache: dict[tuple[int, int | None], list[int]] = {}
-        with self._lock:
-            names = list(self._engines) if engines is None else list(engines)
-            scored = [
-                (self._match(self._engines[e], tokens, lora_name, key, cache), e) for e in names
-            ]
+        scored = [
+            (hit, e)
+            for e, hit in self.scores(
+                token_ids,
+                lora_name=lora_name,
+                lora_id=lora_id,
+                cache_salt=cache_salt,
+                multimodal=multimodal,
+                engines=engines,
+            ).items()
+        ]
+        names = [e for _, e in scored]
         if not scored:
             raise ValueError("best_engine: no engine to choose from")
         order = {e: i for i, e in enumerate(names)}

@@ -4,6 +4,7 @@ in every field the index reads, repeated batches, and prompts checked before any
 from __future__ import annotations
 
 import math
+import random
 import socket
 import time
 from typing import Any
@@ -213,3 +214,37 @@ def test_prompts_are_checked_before_an_engine_announced_anything(prompt: list[An
     with pytest.raises(ValueError, match="tokens"):
         index.best_engine(prompt)
     assert index.match("e", [1, 2, 3]) == 0
+
+
+def test_scores_gives_every_engines_match_at_once_and_stops_at_the_first_miss() -> None:
+    engines = {
+        "full": _manager({64: 64}),
+        "swa": _manager({8: 32, 64: 64}, window=[8, None]),
+        "empty": _manager({64: 8}),
+    }
+    index = KvIndexer()
+    pubs = {
+        name: ZmqEventPublisher(kv, f"inproc://rf-scores-{name}") for name, kv in engines.items()
+    }
+    try:
+        rng = random.Random(7)
+        prompts = [[rng.randrange(50) for _ in range(rng.randrange(2, 30))] for _ in range(40)]
+        for name, kv in engines.items():
+            if name == "empty":
+                index.add_engine(name)
+                continue
+            for r, p in enumerate(prompts[:20]):
+                kv.add_sequence(r, p)
+                kv.remove_sequence(r)
+            index.apply(name, pubs[name].convert(kv.get_latest_events()))
+        for p in prompts:
+            got = index.scores(p)
+            assert list(got) == ["full", "swa", "empty"]
+            assert got == {name: kv.get_reusable_prefix_length(p) for name, kv in engines.items()}
+            assert got == {name: index.match(name, p) for name in engines}
+        assert index.scores(prompts[0], engines=["swa"]) == {"swa": index.match("swa", prompts[0])}
+        with pytest.raises(ValueError, match="tokens"):
+            KvIndexer().scores(["x"])
+    finally:
+        for pub in pubs.values():
+            pub.close()
