@@ -466,13 +466,15 @@ class KvIndexer:
             KeyError: An unknown engine.
             ValueError: Both ``lora_name`` and ``lora_id``; a bad token or key.
         """
-        tokens = list(token_ids)
-        key = _key_kwargs(lora_id, cache_salt, multimodal)  # validated before the lookup
-        if lora_name is not None and lora_id is not None:
-            raise ValueError("pass lora_name or lora_id, not both")
-        cache: dict[tuple[int, int | None], list[int]] = {}
-        with self._lock:
-            return self._match(self._engines[engine_id], tokens, lora_name, key, cache)
+        got = self.scores(
+            token_ids,
+            lora_name=lora_name,
+            lora_id=lora_id,
+            cache_salt=cache_salt,
+            multimodal=multimodal,
+            engines=[engine_id],
+        )
+        return got[engine_id]
 
     def _match(
         self,
