@@ -27,7 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+from kvcache._extras import missing_extra
+
+try:
+    import torch
+except ImportError as e:
+    raise missing_extra("kvcache.beam_search", "torch", e) from None
 
 __all__ = ["BeamState", "BeamStep"]
 

@@ -33,13 +33,22 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib.util
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from kvcache._extras import missing_extra
+
+try:
+    import torch
+
+    if importlib.util.find_spec("transformers") is None:  # imported where it is used
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+except ImportError as e:
+    raise missing_extra("kvcache.engine", "torch", e) from None
 
 from kvcache._core import OutOfBlocksError
 from kvcache.config import KvCacheConfig, ModelConfig

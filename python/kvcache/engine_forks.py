@@ -7,7 +7,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+from kvcache._extras import missing_extra
+
+try:
+    import torch
+except ImportError as e:
+    raise missing_extra("kvcache.engine_forks", "torch", e) from None
 
 from kvcache.beam_search import BeamState
 from kvcache.request import Request, RequestState

@@ -72,8 +72,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-import zmq
+from kvcache._extras import missing_extra
+
+try:
+    import msgspec
+    import zmq
+except ImportError as e:
+    raise missing_extra("kvcache.events", "events", e) from None
 
 if TYPE_CHECKING:
     from kvcache.manager import KVCacheEvent, KVCacheManager

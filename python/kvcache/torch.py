@@ -34,8 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.dlpack import from_dlpack
+
+from kvcache._extras import missing_extra
+
+try:
+    import torch
+    from torch.utils.dlpack import from_dlpack
+except ImportError as e:
+    raise missing_extra("kvcache.torch", "torch", e) from None
 
 from kvcache.manager import KVCacheManager
 

@@ -39,6 +39,7 @@ from typing import Any, TextIO, cast
 
 import numpy as np
 
+from kvcache._extras import install_hint
 from kvcache.models import ModelPreset
 from kvcache.resource_manager import Request
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -140,7 +141,7 @@ class _KvRoute:
             from kvcache.router import KvIndexer
         except ImportError as e:
             raise ImportError(
-                f"the kv router needs the events extra: pip install 'kvcache[events]' ({e})"
+                f"the kv router needs the events extra: {install_hint('events')} ({e})"
             ) from e
         self.index = KvIndexer()
         self.batchers = [EventBatcher(e.manager) for e in engines]
@@ -430,13 +431,13 @@ def format_fleet_report(r: FleetReport, *, workload: str | None = None) -> str:
     lines += [
         "",
         f"  {'engine':>6} {'requests':>9} {'steps':>8} {'hit rate':>9} {'reused tokens':>14} "
-        f"{'mean running':>13} {'peak':>5} {'mean latency':>13}",
+        f"{'mean running':>13} {'peak':>5} {'latency (steps)':>15}",
     ]
     for i, (e, n) in enumerate(zip(r.engines, r.assigned, strict=True)):
         lines.append(
             f"  {i:>6} {n:>9,} {e.steps:>8,} {_rate(e.cache_hit_rate):>9} "
             f"{e.reused_tokens:>14,} {e.mean_concurrency:>13.1f} {e.peak_concurrency:>5} "
-            f"{e.mean_latency_steps:>13,.0f}"
+            f"{e.mean_latency_steps:>15,.0f}"
         )
     lines.append(f"  wall time           {r.wall_seconds:.1f} s")
     return "\n".join(lines)
@@ -452,7 +453,7 @@ def format_router_comparison(reports: Sequence[FleetReport], *, workload: str | 
         ("load imbalance", [f"{r.load_imbalance:.2f}" for r in reports]),
         ("fleet steps", [f"{r.steps:,}" for r in reports]),
         (
-            "mean latency",
+            "mean latency (steps)",
             [f"{_mean_latency(r):,.0f}" for r in reports],
         ),
         ("rejected", [f"{r.rejected:,}" for r in reports]),
@@ -517,9 +518,12 @@ def run_fleet_cli(args: argparse.Namespace) -> int:
             import msgspec  # noqa: F401
             import zmq  # noqa: F401
         except ImportError:
-            raise ValueError(
-                "--router kv needs the events extra: pip install 'kvcache[events]'"
-            ) from None
+            which = (
+                "--compare-routers runs the kv router too, which"
+                if args.compare_routers
+                else "--router kv (the default router of --engines)"
+            )
+            raise ValueError(f"{which} needs the events extra: {install_hint('events')}") from None
     model = load_model(args.model or DEFAULT_MODEL)
     if args.shares is None:
         resolve_share_policy(None)
