@@ -5,8 +5,8 @@ every window linearly and releases blocks that left a sliding window. This packa
 configuration, memory sizing per window and the ``KVCacheManager`` facade.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: it would leave the name ``annotations`` in
+# the package's namespace, and this module annotates nothing.
 from kvcache._core import (
     CudaError,
     DeviceOOMError,
@@ -72,3 +72,28 @@ __all__ = [
     "window_size_shares",
     "window_sizes",
 ]
+
+
+#: Submodules documented as import paths; ``dir(kvcache)`` lists those already imported.
+_PUBLIC_SUBMODULES = frozenset(
+    {
+        "distributed",
+        "engine",
+        "events",
+        "models",
+        "router",
+        "scheduler",
+        "shared_cache",
+        "simulate",
+        "sizing",
+        "torch",
+        "vllm",
+    }
+)
+
+
+def __dir__() -> list[str]:
+    """The public API (``__all__``) and the documented submodules imported so far, not the
+    package's internal modules (``config``, ``fields``, ...) nor ``_core``."""
+    loaded = [n for n in _PUBLIC_SUBMODULES if n in globals()]
+    return sorted([*__all__, *loaded])

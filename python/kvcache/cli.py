@@ -30,13 +30,19 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any, NoReturn
 
 from kvcache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
     KvCacheConfig,
+)
+from kvcache.generate_cli import (  # imports no torch: --help works without it
+    add_arguments,
+    add_scheduler_option,
 )
 from kvcache.models import list_models, load_model
 from kvcache.plan_report import (
@@ -399,12 +405,22 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{_PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    p_models = sub.add_parser("models", help="list the built-in model presets")
+    p_models = sub.add_parser(
+        "models",
+        help="list the built-in model presets",
+        description="List the built-in model presets: layers, KV heads, head size, dtype, "
+        "context and the attention window pattern of each.",
+    )
     p_models.add_argument("--json", action="store_true", help="print JSON")
     p_models.set_defaults(func=_cmd_models)
 
     p_plan = sub.add_parser(
-        "plan", help="blocks, tokens and max concurrent sequences per window and share policy"
+        "plan",
+        help="blocks, tokens and max concurrent sequences per window and share policy",
+        description="Plan a KV memory budget for a model: the blocks, tokens and concurrent "
+        "sequences of every attention window under each share policy (equal, proportional, "
+        "auto), before anything is allocated.",
+        epilog="Example: kvcache plan --model gemma-3-27b --memory 80GiB --max-seq-len 32768",
     )
     assert isinstance(p_plan, _Parser)
     p_plan.usage = "%(prog)s --model NAME|FILE.json --memory SIZE [options]"
@@ -417,7 +433,10 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         help="sequence length to plan for (default: the model's max context)",
     )
     p_plan.add_argument(
-        "--tokens-per-block", type=_positive_int32, default=_DEFAULT_TOKENS_PER_BLOCK
+        "--tokens-per-block",
+        type=_positive_int32,
+        default=_DEFAULT_TOKENS_PER_BLOCK,
+        help=f"tokens per KV block (default {_DEFAULT_TOKENS_PER_BLOCK})",
     )
     p_plan.add_argument(
         "--shares", type=_shares, default=None, help="an extra share list to compare, e.g. 0.2,0.8"
@@ -452,13 +471,20 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         "--max-draft-tokens",
         type=_non_negative_int32,
         default=0,
-        help="draft tokens per step (speculative decoding): sliding windows keep them too",
+        help="draft tokens per step (speculative decoding): sliding windows keep them too "
+        "(default 0)",
     )
     p_plan.add_argument("--json", action="store_true", help="print JSON")
     p_plan.set_defaults(func=_cmd_plan)
 
     p_sim = sub.add_parser(
-        "simulate", help="replay a workload through the manager and report pool use"
+        "simulate",
+        help="replay a workload through the manager and report pool use",
+        description="Replay a workload (the built-in multi-turn chat, or a kvcache or Mooncake "
+        "trace) through the manager on the virtual backend, no GPU needed, and report each "
+        "window's pool use, concurrency, the prefix hit rate against the trace's ideal, and "
+        "the manager's time per step; one engine, or a fleet behind a router.",
+        epilog="Example: kvcache simulate --model gemma-3-12b --memory 24GiB --shares auto",
     )
     p_sim.add_argument("--model", default=None, help="preset name (default: gemma-3-12b)")
     p_sim.add_argument(
@@ -506,7 +532,12 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         help="skip the offline bounds (ideal, LRU and Belady hit rates of the trace) and the "
         "lost-hit split",
     )
-    p_sim.add_argument("--max-batch-size", type=_positive_int32, default=None)
+    p_sim.add_argument(
+        "--max-batch-size",
+        type=_positive_int32,
+        default=None,
+        help="most requests running at once (default 128)",  # simulate.DEFAULT_MAX_BATCH_SIZE
+    )
     p_sim.add_argument(
         "--max-seq-len",
         type=_positive_int32,
@@ -514,12 +545,13 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         help="longest sequence (default: 8192 for the built-in workload, else the longest "
         "request of the trace)",
     )
-    p_sim.add_argument("--tokens-per-block", type=_positive_int32, default=None)
     p_sim.add_argument(
-        "--scheduler",
-        choices=["guaranteed_no_evict", "max_utilization"],
-        default="max_utilization",
+        "--tokens-per-block",
+        type=_positive_int32,
+        default=None,
+        help=f"tokens per KV block (default {_DEFAULT_TOKENS_PER_BLOCK})",
     )
+    add_scheduler_option(p_sim)
     p_sim.add_argument(
         "--num-conversations",
         type=_int_in(1, _MAX_CONVERSATIONS, "the built-in workload is generated in memory"),
@@ -612,16 +644,16 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
     p_sim.add_argument(
         "--engines",
         type=_int_in(1, _MAX_ENGINES, "each engine is a whole manager"),
-        default=1,
+        default=None,
         metavar="N",
         help="simulate a fleet of N engines behind --router (each with --memory; default 1)",
     )
     p_sim.add_argument(
         "--router",
         choices=["kv", "round-robin", "least-loaded"],  # kvcache.simulate.fleet.ROUTERS
-        default="kv",
-        help="how a fleet routes requests: kv (an index fed by the engines' KV events; needs "
-        "kvcache[events]), round-robin or least-loaded (default: kv)",
+        default=None,
+        help="how a fleet of --engines routes requests: kv (an index fed by the engines' KV "
+        "events; needs the events extra), round-robin or least-loaded (default: kv)",
     )
     p_sim.add_argument(
         "--compare-routers",
@@ -631,8 +663,6 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
     p_sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_sim.set_defaults(func=_cmd_simulate)
 
-    from kvcache.generate_cli import add_arguments  # no torch import: --help works without it
-
     p_gen = sub.add_parser(
         "generate",
         help="greedy generation with a Hugging Face model on kvcache (needs the torch extra: "
@@ -641,6 +671,39 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
     add_arguments(p_gen, size, _positive_int32)
     p_gen.set_defaults(func=_cmd_generate)
     return parser
+
+
+#: How kvcache.sizing names the field in its share errors; the command line names the flag.
+_SHARES_FIELD = "KvCacheConfig.window_size_shares"
+
+
+def _shares_text(shares: str | Sequence[float]) -> str:
+    if isinstance(shares, str):
+        return shares
+    return ",".join(f"{s:g}" if float(f"{s:g}") == s else repr(s) for s in shares)
+
+
+def _shares_notes(flag: str, shares: str | Sequence[float]) -> list[str]:
+    """A warning when ``--shares`` numbers do not sum to 1: they are used as proportions."""
+    if isinstance(shares, str):
+        return []
+    total = sum(Fraction(repr(s)) for s in shares)  # as kvcache.sizing reads them: exactly
+    if total == 1:
+        return []
+    used = ", ".join(f"{float(Fraction(repr(s)) / total):.4g}" for s in shares)
+    return [
+        f"warning: {flag} sums to {float(total):g}, not 1: the shares are proportions, "
+        f"normalised to {used}"
+    ]
+
+
+def _warning_printer(prog: str) -> Callable[..., None]:
+    """``warnings.showwarning`` for the command line: ``PROG: warning: MESSAGE``."""
+
+    def show(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
+    return show
 
 
 def _one_line(e: BaseException) -> str:
@@ -661,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         stderr, never a traceback.
     """
     prog = _PROG  # "kvcache simulate" once the command is known, as argparse says it
+    shares_flag = ""  # "--shares 0.2,0.3,0.5" when given: errors name it, not the field
     try:
         notes: list[str] = []
         parser = _build_parser(notes)
@@ -669,9 +733,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         prog = f"{_PROG} {args.command}"
+        shares = getattr(args, "shares", None)
+        if shares is not None:
+            shares_flag = f"--shares {_shares_text(shares)}"
         for note in dict.fromkeys(notes):  # a default such as generate's 16MiB adds none
             print(f"{prog}: {note}", file=sys.stderr)
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            # The library's warnings as the command's one-line warnings; simulate says what a
+            # short --max-seq-len does to the windows itself.
+            warnings.showwarning = _warning_printer(prog)
+            if args.command == "simulate":
+                warnings.filterwarnings("ignore", message="max_attention_window", module="kvcache")
+            status = int(args.func(args))
+        # After the run: a wrong share count is an error that says more.
+        for note in _shares_notes(shares_flag, shares) if shares_flag else []:
+            print(f"{prog}: {note}", file=sys.stderr)
+        return status
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0
     except _UsageError as e:
@@ -685,7 +762,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 141
     except (ValueError, OSError) as e:
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        message = _one_line(e)
+        if shares_flag and message.startswith(_SHARES_FIELD):
+            message = shares_flag + message.removeprefix(_SHARES_FIELD)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except MemoryError:
         print(f"{prog}: error: out of memory", file=sys.stderr)

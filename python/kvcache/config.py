@@ -390,6 +390,17 @@ def _check_window_pattern(value: object) -> tuple[int | None, ...] | None:
     return tuple(out)
 
 
+def _byte_count(name: str, value: object) -> int:
+    """A byte count: an int >= 0. A size string is refused with the call that converts it:
+    byte fields are exact ints; ``kvcache.parse_size`` reads ``"4GiB"``."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"{name} must be a non-negative int (bytes), got {value!r}; for a size string "
+            f"pass kvcache.parse_size({value!r})"
+        )
+    return _non_negative_int(name, value)
+
+
 def _check_shares(value: object) -> str | tuple[float, ...] | None:
     name = "window_size_shares"
     if value is None:
@@ -610,11 +621,11 @@ class KvCacheConfig:
         object.__setattr__(self, "free_gpu_memory_fraction", float(frac))
         total = self.max_gpu_total_bytes
         if total is not None:
-            _non_negative_int("max_gpu_total_bytes", total)
+            _byte_count("max_gpu_total_bytes", total)
             if total == 0:
                 object.__setattr__(self, "max_gpu_total_bytes", None)
-        _non_negative_int("host_cache_size", self.host_cache_size)
-        _non_negative_int("disk_cache_size", self.disk_cache_size)
+        _byte_count("host_cache_size", self.host_cache_size)
+        _byte_count("disk_cache_size", self.disk_cache_size)
         if self.disk_cache_size > 0 and self.host_cache_size == 0:
             raise ValueError(
                 "disk_cache_size needs host_cache_size > 0: blocks reach the disk tier from "

@@ -18,6 +18,31 @@ from typing import Any
 _FAMILIES = ("gemma3", "gemma2", "mistral", "gpt-oss")
 
 
+#: kvcache.scheduler.POLICIES (not imported: --help stays light).
+SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+def add_scheduler_option(p: argparse.ArgumentParser) -> None:
+    """``--scheduler POLICY`` (``simulate`` and ``generate``), with ``--policy`` as a hidden
+    alias: ``generate`` called it that before, and such command lines keep working."""
+    p.add_argument(
+        "--scheduler",
+        choices=SCHEDULER_POLICIES,
+        default="max_utilization",
+        help="the scheduler's policy, CapacityScheduler(policy=...): guaranteed_no_evict "
+        "admits a request only if it can run to its end; max_utilization admits what can "
+        "prefill and pauses the newest requests when a step does not fit "
+        "(default: max_utilization)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=SCHEDULER_POLICIES,
+        dest="scheduler",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser, size: Any, positive: Any) -> None:
     """The command's options (``size`` and ``positive`` are the CLI's argparse types)."""
     p.add_argument(
@@ -64,12 +89,7 @@ def add_arguments(p: argparse.ArgumentParser, size: Any, positive: Any) -> None:
         default=32,
         help="sliding window of a tiny model, in tokens (default: 32)",
     )
-    p.add_argument(
-        "--policy",
-        choices=["max_utilization", "guaranteed_no_evict"],
-        default="max_utilization",
-        help="scheduler policy (default: max_utilization)",
-    )
+    add_scheduler_option(p)
     p.add_argument(
         "--swa-reuse-policy",
         choices=["invalidate", "placeholder"],
@@ -212,7 +232,7 @@ def run_cli(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         max_batch_size=args.max_batch_size,
         memory=args.memory,
-        policy=args.policy,
+        policy=args.scheduler,
         max_chunk_size=args.max_chunk_size,
     )
     torch.manual_seed(args.seed)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 from kvcache import _core
 from kvcache.config import KvCacheConfig, ModelConfig
@@ -352,6 +353,21 @@ def _native_kwargs(
     }
 
 
+def _warn_merged_windows(config: KvCacheConfig, max_seq_len: int, windows: list[int]) -> None:
+    """A warning when sliding windows of ``config`` not shorter than ``max_seq_len`` ran as
+    full attention and so merged with another window (one pool fewer than configured)."""
+    pattern = set(config.max_attention_window or [])
+    merged = sorted(w for w in pattern if w is not None and w >= max_seq_len)
+    if merged and len(windows) < len(pattern):
+        warnings.warn(
+            f"max_attention_window {', '.join(map(str, merged))} is not shorter than "
+            f"max_seq_len {max_seq_len}: those layers run as full attention, so the manager "
+            f"has {len(windows)} window(s) {windows} instead of {len(pattern)}",
+            UserWarning,
+            stacklevel=4,  # the caller of KVCacheManager(...) / from_blocks(...)
+        )
+
+
 def _draft_for_sizing(value: object) -> int:
     """``max_draft_tokens`` for the sizing; a bad value is reported by the native constructor."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -446,7 +462,12 @@ class KVCacheManager(_core.KVCacheManager):
             or not isinstance(primary_bytes, int)
             or primary_bytes <= 0
         ):
-            raise ValueError(f"primary_bytes must be a positive int, got {primary_bytes!r}")
+            hint = ""
+            if isinstance(primary_bytes, str):  # a size string: the caller converts it
+                hint = f"; for a size string pass kvcache.parse_size({primary_bytes!r})"
+            raise ValueError(
+                f"primary_bytes must be a positive int (bytes), got {primary_bytes!r}{hint}"
+            )
 
         def split(secondary_bytes: int) -> dict[int, tuple[int, int]]:
             """Primary blocks and ``secondary_bytes`` worth of offload blocks per window."""
@@ -514,6 +535,7 @@ class KVCacheManager(_core.KVCacheManager):
         _core.KVCacheManager.__init__(self, **kwargs)
         self.model = model
         self.config = config
+        _warn_merged_windows(config, max_seq_len, self.window_sizes)
         self._disk_blocks: dict[int, int] = {
             w: kwargs["disk_blocks_per_window"].get(w, 0) for w in self.window_sizes
         }
@@ -667,6 +689,42 @@ class KVCacheManager(_core.KVCacheManager):
                 **_key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
+
+    def get_cache_block_ids(
+        self, request_id: SupportsIndex, window_size: SupportsIndex | str | None = None
+    ) -> list[int]:
+        """Block ids per block position of one window (``NULL_BLOCK`` where a sliding window
+        released the block).
+
+        ``window_size`` is one of :attr:`window_sizes`, or ``None`` / ``"full"`` for full
+        attention, as in ``KvCacheConfig.max_attention_window``: the window ``max_seq_len``.
+        ``None`` is also the only window of a one-window manager, whatever it is.
+
+        Raises:
+            ValueError: Not a window of this manager, ``"full"`` (or ``None`` with several
+                windows) and the manager has no full-attention window, or an unknown request.
+        """
+        if window_size is None or isinstance(window_size, str):
+            window_size = self._full_window(window_size)
+        return _core.KVCacheManager.get_cache_block_ids(self, request_id, window_size)
+
+    def _full_window(self, window_size: str | None) -> int | None:
+        """The window that ``None`` / ``"full"`` names (``None``: the core's own choice)."""
+        windows = self.window_sizes
+        if window_size is None and len(windows) == 1:
+            return None
+        if window_size is not None and window_size != "full":
+            raise ValueError(
+                f'window_size must be one of this manager\'s windows {windows}, or None / "full" '
+                f"for full attention; got {window_size!r}"
+            )
+        if self.max_seq_len not in windows:
+            raise ValueError(
+                f"window_size {window_size!r} means full attention, but this manager has no "
+                f"full-attention window: its windows {windows} are all sliding (shorter than "
+                f"max_seq_len {self.max_seq_len}); give one of them"
+            )
+        return int(self.max_seq_len)
 
     def get_reusable_prefix_length(
         self,

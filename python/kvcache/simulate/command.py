@@ -121,6 +121,29 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
 
 
+def _check_fleet_flags(args: argparse.Namespace) -> None:
+    """``--router`` needs ``--engines``; fills in the defaults (one engine, the kv router)."""
+    engines, router = getattr(args, "engines", None), getattr(args, "router", None)
+    compare = getattr(args, "compare_routers", False)
+    if router is not None and compare:
+        raise ValueError(
+            f"--compare-routers runs every router; --router {router} would change nothing"
+        )
+    if router is not None and engines is None:
+        raise ValueError(
+            f"--router {router} routes the requests of a fleet; give --engines N (2 or more) to "
+            "simulate N engines behind it"
+        )
+    if router is not None and engines == 1:
+        print(
+            f"kvcache simulate: warning: --router {router} with --engines 1: every request goes "
+            "to the one engine, so the router changes nothing",
+            file=sys.stderr,
+        )
+    args.engines = 1 if engines is None else engines
+    args.router = "kv" if router is None else router
+
+
 def _trace_file(args: argparse.Namespace) -> TraceFile:
     """The ``--trace`` file with ``--first``, ``--arrival`` and ``--step-ms``, checked whole."""
     first, arrival = getattr(args, "first", None), getattr(args, "arrival", "timestamps")
@@ -186,6 +209,8 @@ def _workload_stream(
     seed = args.seed or 0
     max_seq_len = args.max_seq_len or DEFAULT_MAX_SEQ_LEN
     trace = default_workload(seed=seed, num_conversations=conversations, max_seq_len=max_seq_len)
+    if not trace:
+        raise ValueError(_empty_workload(seed, conversations, max_seq_len))
     text = (
         f"built-in multi-turn chat, {conversations:,} conversations (seed {seed}): "
         f"{len(trace):,} requests, one per turn"
@@ -198,6 +223,26 @@ def _workload_stream(
         "requests": len(trace),
     }
     return trace, text, info
+
+
+def _empty_workload(seed: int, conversations: int, max_seq_len: int) -> str:
+    """Why the built-in workload at ``--max-seq-len`` holds no request, and the fix."""
+    # The smallest limit that keeps a request (the workload grows with the limit).
+    lo, hi = max_seq_len + 1, max(DEFAULT_MAX_SEQ_LEN, max_seq_len + 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if default_workload(seed=seed, num_conversations=conversations, max_seq_len=mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    default = len(default_workload(seed=seed, num_conversations=conversations))
+    return (
+        f"--max-seq-len {max_seq_len:,} leaves the built-in workload empty: a conversation "
+        "ends at its first turn longer than the limit, and every first turn (a system prompt "
+        f"of 200-2,000 tokens, a question and an answer) is longer than {max_seq_len:,} "
+        f"tokens; give --max-seq-len {lo:,} or more (the default {DEFAULT_MAX_SEQ_LEN:,} "
+        f"keeps {default:,} requests), or replay your own requests with --trace FILE"
+    )
 
 
 def _length_warnings(args: argparse.Namespace, model: ModelPreset, requests: int) -> list[str]:
@@ -268,7 +313,8 @@ def run_cli(args: argparse.Namespace) -> int:
         ValueError: Any bad input (one line; the command exits with status 2), including a
             run in which every request was rejected.
     """
-    if getattr(args, "engines", 1) > 1 or getattr(args, "compare_routers", False):
+    _check_fleet_flags(args)
+    if args.engines > 1 or getattr(args, "compare_routers", False):
         from kvcache.simulate.fleet import run_fleet_cli
 
         return run_fleet_cli(args)

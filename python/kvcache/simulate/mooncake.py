@@ -142,7 +142,11 @@ def parse_mooncake_line(obj: object) -> MooncakeLine:
         raise ValueError("expected a JSON object")
     unknown = sorted(set(obj) - MOONCAKE_KEYS)
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in a Mooncake line")
+        raise ValueError(
+            f"unknown key(s) {', '.join(map(repr, unknown))} in a Mooncake line, which has "
+            'exactly timestamp, input_length, output_length, hash_ids; see "Trace format" in '
+            "docs/api.md"
+        )
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
         if key not in obj:
             raise ValueError(

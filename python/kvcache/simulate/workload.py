@@ -116,6 +116,14 @@ class TraceRequest:
         return d
 
 
+#: What a line with an unknown key is told: both formats' keys and where they are described.
+_EXPECTED_KEYS = (
+    "a line of kvcache's format has request_id, arrival, prompt, output (optional: "
+    "lora_task_id, cache_salt, priority); one of Mooncake's has timestamp, input_length, "
+    'output_length, hash_ids; see "Trace format" in docs/api.md'
+)
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -125,7 +133,7 @@ def _parse_trace_line(obj: object) -> TraceRequest:
         raise ValueError("expected a JSON object")
     unknown = sorted(set(obj) - _TRACE_KEYS)
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}")
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; {_EXPECTED_KEYS}")
     for key in ("request_id", "arrival", "prompt", "output"):
         if key not in obj:
             raise ValueError(f"missing {key!r}")
