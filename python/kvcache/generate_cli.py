@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser, size: Any, positive: Any) -> None:
     p.add_argument(
         "--max-new-tokens", type=positive, default=32, help="tokens per prompt (default: 32)"
     )
-    p.add_argument("--memory", type=size, default="16MiB", help="primary KV budget (16MiB)")
+    p.add_argument(
+        "--memory", type=size, default="16MiB", help="primary KV budget (default: 16MiB)"
+    )
     p.add_argument(
         "--host-cache", type=size, default=None, metavar="SIZE", help="host offload memory"
     )
