@@ -333,7 +333,17 @@ void BindEstimates(py::module_& m) {
             return self.FirstLengthMismatch(v.data(), l.data(), v.size());
           },
           py::arg("request_ids"), py::arg("lengths"),
-          "The first index whose sequence is not registered or holds another number of tokens, or -1.");
+          "The first index whose sequence is not registered or holds another number of tokens, or -1.")
+      .def(
+          "_reached_final_tokens",
+          [](const M& self, const py::handle& ids) {
+            thread_local std::vector<SeqId> v;
+            ToRequestIds(ids, "request ids", &v);
+            return self.ReachedFinalTokens(v.data(), v.size());
+          },
+          py::arg("request_ids"),
+          "The indices, ascending, whose sequence holds at least its final tokens (_set_final_tokens): the "
+          "requests whose token sampled this step is their last. KeyError for an unregistered id.");
 }
 
 }  // namespace kvcache::py

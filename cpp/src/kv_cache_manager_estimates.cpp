@@ -278,6 +278,16 @@ void KVCacheManager::SetFinalTokens(SeqId id, std::int32_t final_tokens) {
   seq.final_tokens = final_tokens;
 }
 
+std::vector<std::int64_t> KVCacheManager::ReachedFinalTokens(const SeqId* ids, std::size_t n) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Sequence& seq = Find(ids[i]);
+    if (seq.final_tokens > 0 && seq.num_tokens >= seq.final_tokens) out.push_back(static_cast<std::int64_t>(i));
+  }
+  return out;
+}
+
 std::int64_t KVCacheManager::FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths,
                                                 std::size_t n) const {
   std::lock_guard<std::mutex> lock(mu_);

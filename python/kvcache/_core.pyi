@@ -216,6 +216,10 @@ class KVCacheManager:
             tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
         ] = [],
     ) -> PreparedPrompt: ...
+    def _reached_final_tokens(self, request_ids: typing.Any) -> list[int]:
+        """
+        The indices, ascending, whose sequence holds at least its final tokens (_set_final_tokens): the requests whose token sampled this step is their last. KeyError for an unregistered id.
+        """
     def _set_fake_time_ms(self, now_ms: typing.SupportsIndex) -> None:
         """
         Test hook: a fixed clock for timed priorities (negative: the real clock).

@@ -269,6 +269,16 @@ TEST(ManagerEstimatesTest, FinalTokensProgressAndLengthChecks) {
   EXPECT_EQ(m.NumTokens(2), 10);
   EXPECT_EQ(m.AddTokensIfLengths(&two, toks, &right[1], 1), -1);
   EXPECT_EQ(m.NumTokens(2), 11);
+  // Sequence 1 has no final length: never reached; 2 reaches its 19 only at 19 tokens.
+  EXPECT_TRUE(m.ReachedFinalTokens(ids, 2).empty());
+  const TokenId token = 5;
+  for (int k = 0; k < 7; ++k) m.AddTokens(&two, &token, 1);  // 18 tokens
+  EXPECT_TRUE(m.ReachedFinalTokens(ids, 2).empty());
+  m.AddTokens(&two, &token, 1);  // 19
+  EXPECT_EQ(m.ReachedFinalTokens(ids, 2), (std::vector<std::int64_t>{1}));
+  const SeqId reversed[] = {2, 1, 2};
+  EXPECT_EQ(m.ReachedFinalTokens(reversed, 3), (std::vector<std::int64_t>{0, 2}));
+  EXPECT_THROW(m.ReachedFinalTokens(unknown, 2), UnknownSequenceError);
   m.CheckInvariants();
 }
 

@@ -320,6 +320,11 @@ class KVCacheManager {
   /// The first i whose sequence ids[i] is not registered or does not hold lengths[i] tokens
   /// (NumTokens), or -1: an engine's batch check that its requests and the cache agree.
   std::int64_t FirstLengthMismatch(const SeqId* ids, const std::int32_t* lengths, std::size_t n) const;
+  /// The indices i, ascending, whose sequence ids[i] holds at least its final tokens
+  /// (SetFinalTokens; never for a sequence without them): after a step's tokens were added,
+  /// the requests whose token sampled in that step is their last. Throws std::out_of_range
+  /// (KeyError) for an unregistered id, before anything is returned.
+  std::vector<std::int64_t> ReachedFinalTokens(const SeqId* ids, std::size_t n) const;
   /// The shared tier's key prefix (empty without a shared tier).
   std::string shared_cache_namespace() const { return shared_ != nullptr ? shared_->ns() : std::string(); }
   /// Waits up to `timeout_ms` until every block queued for the shared tier was written (or
