@@ -36,8 +36,9 @@ from typing import Any
 from kvcache import _core as _block_math
 from kvcache._core import PreparedPrompt
 from kvcache.families import unforked_beams
+from kvcache.fields import check_type
 from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
+from kvcache.request import Request, RequestState, ScheduledBatch
 
 __all__ = ["ResourceEstimates", "peak_live_blocks"]
 
@@ -105,7 +106,7 @@ class ResourceEstimates:
     def num_draft_tokens_for(self, request: Request) -> int:
         """Drafts usable in the request's next step: at most its drafts, the manager's
         allowance and one less than the tokens it still has to generate."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         return max(
             0, min(len(request.draft_tokens), self._max_draft, request.remaining_new_tokens - 1)
         )
@@ -141,7 +142,7 @@ class ResourceEstimates:
 
     def get_num_allocated_blocks(self, request: Request, window_size: int) -> int:
         """Blocks the request holds now in a window (released front blocks not counted)."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         self._index(window_size)
         if request.request_id not in self._running:
             return 0
@@ -154,7 +155,7 @@ class ResourceEstimates:
         A scheduler sizes a first chunk with it: the chunk counts the tokens after this
         prefix.
         """
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         if request.request_id in self._running:
             return request.reused_tokens
         if not self._reuse:
@@ -205,7 +206,7 @@ class ResourceEstimates:
             A request holding 10 tokens at a 4-token block size holds 3 blocks; its next token
             is the 11th and needs no block; with 2 drafts it would write the 13th and need one.
         """
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         i = self._index(window_size)
         return self._needs(request, chunk_size, credit_releases, use_reuse)[i]
 
@@ -218,7 +219,7 @@ class ResourceEstimates:
         use_reuse: bool = True,
     ) -> dict[int, int]:
         """:meth:`get_needed_blocks_one_step` for every window (one reuse lookup)."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         needs = self._needs(request, chunk_size, credit_releases, use_reuse)
         return dict(zip(self._windows, needs, strict=True))
 
@@ -239,7 +240,7 @@ class ResourceEstimates:
             window blocks with its first generated token; in the same call they serve the
             other requests' new blocks, so a full sliding pool can still run the step.
         """
-        _check_type("batch", batch, ScheduledBatch)
+        check_type("batch", batch, ScheduledBatch)
         running = self._running
         gen = [(r, d) for r, d in batch.generation if r.request_id in running]
         chunks = [
@@ -292,7 +293,7 @@ class ResourceEstimates:
             span at most 3 blocks), so 3 before it starts; the 64-token window needs
             ``ceil(29 / 4) = 8``.
         """
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         i = self._index(window_size)
         return self._remaining(request, chunk_size, use_reuse, prefill_only)[i]
 
@@ -305,7 +306,7 @@ class ResourceEstimates:
         prefill_only: bool = False,
     ) -> dict[int, int]:
         """:meth:`get_remaining_blocks_to_completion` for every window (one reuse lookup)."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         remaining = self._remaining(request, chunk_size, use_reuse, prefill_only)
         return dict(zip(self._windows, remaining, strict=True))
 
@@ -316,7 +317,7 @@ class ResourceEstimates:
         without reuse, its prompt prefilled in chunks of at most ``chunk_size`` tokens
         (``None``: whole): what it needs from an otherwise empty pool (the scheduler rejects
         a request for which this exceeds a window's pool)."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         self._check_chunk_size(chunk_size)
         alone = self._manager.get_blocks_to_run_alone(
             request.context_len, request.max_kv_tokens, chunk_size=chunk_size
@@ -365,7 +366,7 @@ class ResourceEstimates:
             ValueError: A bad ``chunk_size``.
         """
         for r in requests:
-            _check_type("request", r, Request)
+            check_type("request", r, Request)
         self._check_chunk_size(chunk_size)
         for r in requests:
             if r.request_id not in self._running:

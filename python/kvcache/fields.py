@@ -1,6 +1,7 @@
-"""Field checks and the dtype table shared by the configuration classes (``kvcache.config``,
-``kvcache.state_spec``). Each check raises ``ValueError`` naming the field; bools are never
-accepted as ints."""
+"""Argument checks, in one place: the field checks and the dtype table of the configuration
+classes (``kvcache.config``, ``kvcache.state_spec``) and the argument checks of the manager,
+the resource manager, the scheduler and the engine. Each check raises ``ValueError`` naming the
+argument (``TypeError`` for an object of the wrong class); bools are never accepted as ints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 INT32_MAX = 2**31 - 1
+#: Token ids are below this: ``0 <= token < 2**31`` (32-bit in the core).
+MAX_TOKEN = 2**31
 
 
 #: Named window share policies (see :func:`kvcache.sizing.window_size_shares`).
@@ -33,6 +36,19 @@ MAX_PRIORITY = 100
 
 def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_type(name: str, value: object, cls: type) -> None:
+    """TypeError naming the argument and the expected class, before any attribute is read."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a kvcache.{cls.__name__}, got {type(value).__name__}")
+
+
+def optional_int(name: str, value: int | None) -> int | None:
+    """Any int or None (ids and priorities the core range-checks itself)."""
+    if value is not None and not is_int(value):
+        raise ValueError(f"{name} must be an int or None, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value: object) -> int:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvcache.families import join_family
+from kvcache.fields import check_type
 from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState, _check_type
+from kvcache.request import Request, RequestState
 
 __all__ = ["ForkResources"]
 
@@ -61,9 +62,9 @@ class ForkResources:
 
     def _check_fork(self, parent: Request, children: Sequence[Request]) -> None:
         """Everything :meth:`KVCacheResourceManager.fork_resources` checks before it forks."""
-        _check_type("parent", parent, Request)
+        check_type("parent", parent, Request)
         for child in children:
-            _check_type("child", child, Request)
+            check_type("child", child, Request)
         pid = parent.request_id
         if pid not in self._running:
             raise KeyError(f"request {pid} holds no KV cache blocks")

@@ -13,13 +13,9 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcache.fields import MAX_TOKEN
+
 __all__ = ["Request", "RequestState", "ScheduledBatch"]
-
-
-def _check_type(name: str, value: object, cls: type) -> None:
-    """TypeError naming the argument and the expected class, before any attribute is read."""
-    if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a kvcache.{cls.__name__}, got {type(value).__name__}")
 
 
 class RequestState(enum.Enum):
@@ -40,7 +36,6 @@ class RequestState(enum.Enum):
 
 
 _MAX_ID = 2**63  # request ids: 0 <= id < 2**63, as the manager takes them
-_MAX_TOKEN = 2**31  # token ids: 0 <= token < 2**31 (32-bit in the core)
 
 
 def _check_tokens(request_id: int, prompt: Sequence[int]) -> None:
@@ -57,10 +52,10 @@ def _check_tokens(request_id: int, prompt: Sequence[int]) -> None:
                 )
         tokens = [operator.index(t) for t in tokens]
     lo, hi = min(tokens), max(tokens)
-    if lo < 0 or hi >= _MAX_TOKEN:
-        i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < _MAX_TOKEN)
+    if lo < 0 or hi >= MAX_TOKEN:
+        i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < MAX_TOKEN)
         raise ValueError(
-            f"request {request_id}: prompt[{i}] = {t} is out of range [0, {_MAX_TOKEN - 1}]"
+            f"request {request_id}: prompt[{i}] = {t} is out of range [0, {MAX_TOKEN - 1}]"
         )
 
 

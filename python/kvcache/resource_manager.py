@@ -69,15 +69,20 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
+from operator import attrgetter, itemgetter
 from typing import Any, Protocol
+
+import numpy as np
 
 from kvcache._core import PreparedPrompt
 from kvcache.config import KvCacheConfig, ModelConfig
 from kvcache.estimates import ResourceEstimates, peak_live_blocks
+from kvcache.fields import MAX_TOKEN, check_type
 from kvcache.forks import ForkResources
 from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState, ScheduledBatch, _check_type
+from kvcache.request import Request, RequestState, ScheduledBatch
 from kvcache.step_checks import StepChecks
 
 __all__ = [
@@ -138,6 +143,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         # _note_generation); prepare_resources uses it only if the entries are unchanged.
         self._gen_note: _GenerationNote | None = None
         self._gen_ran: _GenerationNote | None = None  # the note of the last prepared batch
+        # The batch prepare_resources prepared last, until its step is updated: complete_step
+        # takes only that batch, whose requests prepare_resources checked.
+        self._prepared_batch: ScheduledBatch | None = None
         reuse = getattr(manager, "reuse_enabled", None)
         if reuse is None:
             reuse = getattr(getattr(manager, "config", None), "enable_block_reuse", False)
@@ -227,7 +235,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
 
     def has_request(self, request: Request) -> bool:
         """True while the request holds blocks."""
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         return request.request_id in self._running
 
     # ------------------------------------------------------------------ step hooks
@@ -266,7 +274,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
             OutOfBlocksError: Some window lacks blocks; nothing was changed.
             TypeError: ``batch`` is not a :class:`ScheduledBatch`.
         """
-        _check_type("batch", batch, ScheduledBatch)
+        check_type("batch", batch, ScheduledBatch)
         if next_tokens is not None and len(next_tokens) != len(batch.generation):
             raise ValueError(
                 f"next_tokens has {len(next_tokens)} tokens for {len(batch.generation)} "
@@ -320,6 +328,7 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
             raise
         if prefills:  # checked above: cannot run out of blocks (one call for the step)
             self._manager.prefill([r.request_id for r, _ in prefills], [k for _, k in prefills])
+        self._prepared_batch = batch
 
     def update_resources(self, batch: ScheduledBatch) -> None:
         """After the step: advances the context requests (``context_position``), drops
@@ -335,7 +344,13 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
                 ``rewind_len``.
             TypeError: ``batch`` is not a :class:`ScheduledBatch`.
         """
-        _check_type("batch", batch, ScheduledBatch)
+        check_type("batch", batch, ScheduledBatch)
+        self._update(batch, None)
+
+    def _update(self, batch: ScheduledBatch, drafts: bool | None) -> None:
+        """update_resources' work; ``drafts``: whether some generation entry rewinds or
+        holds draft tokens (``None``: read from the requests)."""
+        self._prepared_batch = None
         if self._states:
             # The forward pass ended each working state where its step's checkpoints are taken.
             self._manager.save_checkpoints()
@@ -343,13 +358,16 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
             if request.request_id in self._running:
                 self._check_context_step(request)
         gen = batch.generation
-        ran_note, self._gen_ran = self._gen_ran, None
-        if ran_note is not None and ran_note[0] is gen and gen == ran_note[1]:
-            requests = ran_note[4]  # the entries prepare_resources ran, unchanged
+        if drafts is None:
+            ran_note, self._gen_ran = self._gen_ran, None
+            if ran_note is not None and ran_note[0] is gen and gen == ran_note[1]:
+                requests = ran_note[4]  # the entries prepare_resources ran, unchanged
+            else:
+                requests = [r for r, _ in gen]
+            drafts = any([r.rewind_len or r.draft_tokens for r in requests])
         else:
-            requests = [r for r, _ in gen]
-        # One pass first: usually no request rewinds or holds drafts.
-        for request, d in gen if any([r.rewind_len or r.draft_tokens for r in requests]) else ():
+            self._gen_ran = None
+        for request, d in gen if drafts else ():
             rewind = request.rewind_len
             if rewind:
                 if not 0 < rewind <= d:
@@ -374,12 +392,174 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         if self._event_publisher is not None:
             self._event_publisher.publish()
 
+    def complete_step(
+        self,
+        batch: ScheduledBatch,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        accepted: Sequence[int] | np.ndarray | None = None,
+        store_for_reuse: bool = True,
+    ) -> list[Request]:
+        """The output side of a step in one call: applies the sampled tokens, runs
+        :meth:`update_resources`, frees the requests that finished and returns them.
+
+        ``batch`` must be the batch :meth:`prepare_resources` prepared last (it checked its
+        requests), completed once. ``tokens`` holds one entry per batch entry, context entries
+        first, then generation entries, each in batch order (``len(tokens) == len(batch)``),
+        as a sequence or 1-D integer array: the token sampled for that entry, or a negative
+        value where the entry sampled nothing (a context chunk that did not end its prompt;
+        such an entry must be negative, every other one a token id ``0 <= t < 2**31``).
+        ``accepted`` (speculative decoding): per generation entry, how many of the draft tokens
+        it verified this step were accepted (``0..num_draft_tokens``); they are appended
+        before the entry's token and the rest are rewound (:attr:`Request.rewind_len`).
+        Without it no draft is accepted.
+
+        The same as ``append_tokens`` on every sampling entry, ``update_resources(batch)`` and
+        ``free_resources(r, store_for_reuse=...)`` for every request that reached
+        ``max_new_tokens``, with the tokens checked once for the whole batch and the finished
+        requests found by the manager (the sequences that reached the final length their
+        registration recorded), so that a decode entry costs one list append here. A bad
+        ``tokens`` or ``accepted``, or a batch that was not prepared, raises before anything
+        changes. Mixing the two forms in one step (``append_tokens`` on a request, then
+        ``complete_step``) is not supported.
+
+        Example:
+            >>> from kvcache import KvCacheConfig, ModelConfig
+            >>> model = ModelConfig(num_layers=1, num_kv_heads=1, head_dim=8)
+            >>> config = KvCacheConfig(tokens_per_block=4, backend="virtual")
+            >>> rm = KVCacheResourceManager.from_blocks(model, config, {64: 16},
+            ...                                         max_seq_len=64, max_batch_size=4)
+            >>> a, b = Request(1, [1, 2, 3], 2), Request(2, [4, 5, 6, 7, 8], 1)
+            >>> batch = ScheduledBatch()
+            >>> batch.add_context(a); batch.add_context(b, 3)
+            >>> rm.prepare_resources(batch)
+            >>> rm.complete_step(batch, [10, -1])   # b's chunk did not end its prompt
+            []
+            >>> a.generated, a.state.value, b.context_position
+            ([10], 'generation', 3)
+            >>> batch = ScheduledBatch()
+            >>> batch.add_context(b); batch.add_generation(a)
+            >>> rm.prepare_resources(batch)
+            >>> [r.request_id for r in rm.complete_step(batch, [20, 11])]
+            [2, 1]
+            >>> a.generated, b.generated, a.state.value, rm.has_request(a)
+            ([10, 11], [20], 'finished', False)
+
+        Returns:
+            The requests that finished in this step (state ``FINISHED``, blocks freed):
+            context entries first, then generation entries, in batch order.
+
+        Raises:
+            ValueError: ``batch`` is not the one prepared last, or was completed already;
+                ``tokens`` or ``accepted`` of the wrong length, not integers or out of
+                range; a token missing for an entry that must sample or given for one that
+                must not; a request whose generated tokens disagree with the cache.
+            TypeError: ``batch`` is not a :class:`ScheduledBatch`.
+        """
+        check_type("batch", batch, ScheduledBatch)
+        if batch is not self._prepared_batch:
+            raise ValueError(
+                "complete_step: this batch is not the one prepare_resources prepared last, or "
+                "its step was completed already: call prepare_resources(batch) before the "
+                "step and complete_step(batch, tokens) once after it"
+            )
+        ctx, gen = batch.context, batch.generation
+        toks = _token_list("tokens", tokens, len(ctx) + len(gen))
+        # Context entries: few per step; the sampling ones are the chunks that end a prompt.
+        sampled_ctx: list[tuple[Request, int]] = []
+        for k, (request, chunk) in enumerate(ctx):
+            t = toks[k]
+            if (request.context_position + chunk >= request.context_len) != (t >= 0):
+                raise ValueError(
+                    f"tokens[{k}] = {t}: request {request.request_id}'s chunk "
+                    + (
+                        "does not end its prompt, so its entry must be negative"
+                        if t >= 0
+                        else "ends its prompt, so it must sample a token"
+                    )
+                )
+            if t >= 0:
+                sampled_ctx.append((request, t))
+        gen_toks = toks[len(ctx) :]
+        if gen_toks and min(gen_toks) < 0:
+            k = next(i for i, t in enumerate(gen_toks) if t < 0)
+            raise ValueError(
+                f"tokens[{len(ctx) + k}] = {gen_toks[k]}: generation request "
+                f"{gen[k][0].request_id} must sample a token"
+            )
+        counts: list[int] | None = None
+        if accepted is not None:
+            counts = _token_list("accepted", accepted, len(gen))
+            for k, ((request, d), a) in enumerate(zip(gen, counts, strict=True)):
+                if not 0 <= a <= d:
+                    raise ValueError(
+                        f"accepted[{k}] = {a}: request {request.request_id} verified {d} "
+                        "draft tokens this step"
+                    )
+        elif gen and max(gen, key=itemgetter(1))[1]:
+            counts = [0] * len(gen)  # drafts verified, none accepted: all rewound
+        note = self._gen_ran
+        if note is not None and note[0] is gen and gen == note[1]:
+            requests, ids = note[4], note[2]  # the entries prepare_resources ran, unchanged
+        else:
+            requests = [r for r, _ in gen]
+            ids = [r.request_id for r in requests]
+        generated = list(map(_GENERATED, requests))
+        done: list[Request] = []
+        if counts is None:
+            # The manager holds each decode entry's cached length and the final one its
+            # registration recorded (prompt + max_new_tokens - 1): it finds the last tokens.
+            last = [requests[k] for k in self._manager._reached_final_tokens(ids)]
+            for request in last:
+                if len(request.generated) + 1 != request.max_new_tokens:
+                    raise ValueError(
+                        f"request {request.request_id}: its cache reached its final length "
+                        f"with {len(request.generated)} of max_new_tokens="
+                        f"{request.max_new_tokens} generated: the request and the cache "
+                        "disagree (tokens appended outside complete_step?)"
+                    )
+        else:
+            # prepare_resources capped each entry's drafts below its remaining tokens.
+            last = [
+                r
+                for r, a in zip(requests, counts, strict=True)
+                if len(r.generated) + a + 1 >= r.max_new_tokens
+            ]
+        # Checked: from here on nothing raises before update_resources' own checks.
+        finished, generation = RequestState.FINISHED, RequestState.GENERATION
+        for request, t in sampled_ctx:
+            request.context_position = request.context_len
+            request.generated.append(t)
+            if len(request.generated) >= request.max_new_tokens:
+                request.state = finished
+                done.append(request)
+            else:
+                request.state = generation
+        if counts is None:
+            deque(map(list.append, generated, gen_toks), maxlen=0)  # one append per entry
+        else:
+            for (request, d), g, t, a in zip(gen, generated, gen_toks, counts, strict=True):
+                if a:
+                    g.extend(request.draft_tokens[:a])
+                if d > a:
+                    request.rewind_len = d - a
+                g.append(t)
+        for request in last:
+            request.state = finished
+        done += last
+        # With drafts verified, every generation entry rewinds or not; without, update reads
+        # the requests (one may hold drafts the batch did not verify: they are dropped).
+        self._update(batch, True if counts is not None else None)
+        for request in done:
+            self.free_resources(request, store_for_reuse=store_for_reuse)
+        return done
+
     def free_resources(self, request: Request, *, store_for_reuse: bool = True) -> None:
         """Ends the request's sequence and returns its blocks (stored for reuse if enabled).
 
         A pruned beam frees only the blocks no other beam holds.
         """
-        _check_type("request", request, Request)
+        check_type("request", request, Request)
         if request.request_id not in self._running:
             raise KeyError(f"request {request.request_id} holds no KV cache blocks")
         self._manager.remove_sequence(request.request_id, store_for_reuse=store_for_reuse)
@@ -491,6 +671,36 @@ _GenerationNote = tuple[
     list[Request],
     list[int] | None,
 ]
+
+
+_GENERATED = attrgetter("generated")
+
+
+def _token_list(name: str, values: Sequence[int] | np.ndarray, size: int) -> list[int]:
+    """``values`` as a list of Python ints, checked once for the whole batch: ``size``
+    integers (not bools), each below ``2**31``."""
+    if len(values) != size:
+        raise ValueError(f"{name} has {len(values)} entries, the batch {size}: give one per entry")
+    if not size:
+        return []
+    arr = np.asarray(values)
+    if (
+        arr.ndim != 1
+        or arr.dtype.kind not in "iu"
+        or (not isinstance(values, np.ndarray) and bool in set(map(type, values)))
+    ):
+        if arr.dtype.kind in "iu" and arr.ndim == 1:
+            k = next(i for i, v in enumerate(values) if isinstance(v, bool))
+            raise ValueError(f"{name}[{k}] = {values[k]!r} is a bool, not a token id")
+        raise ValueError(
+            f"{name} must be a 1-D sequence or array of integers, got "
+            + (f"{arr.ndim}-D" if arr.ndim != 1 else f"dtype {arr.dtype}")
+        )
+    if int(arr.max()) >= MAX_TOKEN:
+        k = int(np.argmax(arr >= MAX_TOKEN))
+        raise ValueError(f"{name}[{k}] = {int(arr[k])} is out of range (token ids are below 2**31)")
+    out: list[int] = arr.tolist()
+    return out
 
 
 def _primary(value: Any) -> int:
