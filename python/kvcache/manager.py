@@ -9,7 +9,6 @@ typed stats object. The native methods check their own arguments: request ids mu
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,8 @@ from typing import Any, SupportsIndex
 
 from kvcache import _core
 from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.fields import optional_int
+from kvcache.hashing import key_kwargs
 from kvcache.sizing import blocks_per_window as _blocks_per_window
 from kvcache.sizing import pool_shares as _pool_shares
 from kvcache.sizing import state_slots as _state_slots
@@ -195,57 +196,6 @@ class KVCacheEvent:
     window_size: int
     kind: str
     data: dict[str, Any] = field(default_factory=dict)
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _hash64(value: bytes | str | int, what: str) -> int:
-    """Maps a content hash or salt to the 64-bit value the native keys use (stable)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be bytes, str or int, got bool")
-    if isinstance(value, int):
-        if 0 <= value <= _MASK64:
-            return value
-        value = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-    elif isinstance(value, str):
-        value = value.encode("utf-8")
-    elif not isinstance(value, bytes | bytearray):
-        raise ValueError(f"{what} must be bytes, str or int, got {type(value).__name__}")
-    return int.from_bytes(hashlib.blake2b(bytes(value), digest_size=8).digest(), "little")
-
-
-def _multimodal(
-    items: Sequence[tuple[bytes | int, int, int]] | None,
-) -> list[tuple[int, int, int]]:
-    out: list[tuple[int, int, int]] = []
-    for item in items or ():
-        if not isinstance(item, tuple | list) or len(item) != 3:
-            raise ValueError(f"multimodal items are (content_hash, start, length), got {item!r}")
-        content, start, length = item
-        if not isinstance(start, int) or not isinstance(length, int) or start < 0 or length < 0:
-            raise ValueError(f"multimodal item start and length must be ints >= 0, got {item!r}")
-        out.append((_hash64(content, "multimodal content_hash"), start, length))
-    return out
-
-
-def _key_kwargs(
-    lora_task_id: int | None,
-    cache_salt: str | bytes | int | None,
-    multimodal: Sequence[tuple[bytes | int, int, int]] | None,
-) -> dict[str, Any]:
-    """The reuse-key arguments of the native calls, validated and converted."""
-    return {
-        "lora_task_id": _optional_int("lora_task_id", lora_task_id),
-        "cache_salt": None if cache_salt is None else _hash64(cache_salt, "cache_salt"),
-        "multimodal": _multimodal(multimodal),
-    }
-
-
-def _optional_int(name: str, value: int | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name} must be an int or None, got {value!r}")
-    return value
 
 
 def _check_types(model: object, config: object) -> None:
@@ -605,7 +555,7 @@ class KVCacheManager(_core.KVCacheManager):
         """
         if lora_task_id is None and cache_salt is None and multimodal is None:
             return self._prepare(tokens)  # positional: the bindings parse no keywords
-        return self._prepare(tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal))
+        return self._prepare(tokens, **key_kwargs(lora_task_id, cache_salt, multimodal))
 
     def add_sequence(
         self,
@@ -681,12 +631,12 @@ class KVCacheManager(_core.KVCacheManager):
             self._add_sequence(
                 request_id,
                 tokens,
-                priority=_optional_int("priority", priority),
+                priority=optional_int("priority", priority),
                 priority_ranges=ranges,
-                decode_priority=_optional_int("decode_priority", decode_priority),
-                decode_duration_ms=_optional_int("decode_duration_ms", decode_duration_ms) or 0,
-                prefill=_optional_int("prefill", prefill),
-                **_key_kwargs(lora_task_id, cache_salt, multimodal),
+                decode_priority=optional_int("decode_priority", decode_priority),
+                decode_duration_ms=optional_int("decode_duration_ms", decode_duration_ms) or 0,
+                prefill=optional_int("prefill", prefill),
+                **key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
 
@@ -739,7 +689,7 @@ class KVCacheManager(_core.KVCacheManager):
             return self._get_reusable_prefix_length(tokens)
         return int(
             self._get_reusable_prefix_length(
-                tokens, **_key_kwargs(lora_task_id, cache_salt, multimodal)
+                tokens, **key_kwargs(lora_task_id, cache_salt, multimodal)
             )
         )
 
@@ -763,8 +713,8 @@ class KVCacheManager(_core.KVCacheManager):
         return dict(
             self._get_num_blocks_to_allocate(
                 tokens,
-                prefill=_optional_int("prefill", prefill),
-                **_key_kwargs(lora_task_id, cache_salt, multimodal),
+                prefill=optional_int("prefill", prefill),
+                **key_kwargs(lora_task_id, cache_salt, multimodal),
             )
         )
 

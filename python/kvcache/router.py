@@ -49,8 +49,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.hashing import block_hashes
-from kvcache.manager import _key_kwargs
+from kvcache.hashing import block_hashes, key_kwargs
 
 __all__ = ["KvIndexer", "ZmqEventSubscriber"]
 
@@ -552,7 +551,7 @@ class KvIndexer:
             ValueError: The arguments of :meth:`match`.
         """
         tokens = list(token_ids)
-        key = _key_kwargs(lora_id, cache_salt, multimodal)
+        key = key_kwargs(lora_id, cache_salt, multimodal)
         if lora_name is not None and lora_id is not None:
             raise ValueError("pass lora_name or lora_id, not both")
         cache: dict[tuple[int, int | None], list[int]] = {}

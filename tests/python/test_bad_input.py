@@ -714,10 +714,10 @@ BAD_CALLS: list[Row] = [
     ),
     # per-request queries
     (
-        "get_cache_block_ids-no-window",
-        lambda m: m.get_cache_block_ids(1),
+        "get_cache_block_ids-bad-window-name",
+        lambda m: m.get_cache_block_ids(1, "sliding"),
         ValueError,
-        "window_size is required",
+        "window_size must be one of this manager's windows \\[8, 64\\], or None / \"full\"",
     ),
     ("num_tokens-unknown", lambda m: m.num_tokens(9), KeyError, "unknown request id 9"),
     # recurrent state (this manager has none)

@@ -122,8 +122,11 @@ def test_errors_leave_state_unchanged() -> None:
         m.get_cache_block_ids(9, 8)
     with pytest.raises(ValueError, match="window_size 12 is not one of"):
         m.get_cache_block_ids(1, 12)
-    with pytest.raises(ValueError, match="window_size is required"):
-        m.get_cache_block_ids(1)
+    # None and "full" name full attention, the window max_seq_len (as the config does).
+    assert m.get_cache_block_ids(1) == m.get_cache_block_ids(1, "full") == [0, 1]
+    assert m.get_cache_block_ids(1, 16) == [0, 1]
+    with pytest.raises(ValueError, match="or None / \"full\" for full attention; got 'sliding'"):
+        m.get_cache_block_ids(1, "sliding")
     with pytest.raises(ValueError, match="cannot drop"):
         m.rewind(1, 5)
     with pytest.raises(ValueError):
