@@ -182,14 +182,14 @@ def test_the_loop_reads_requests_only_as_they_arrive(monkeypatch: pytest.MonkeyP
             yield TraceRequest(i, i * gap, tuple(rng.integers(0, 32000, 300).tolist()), (1, 2, 3))
 
     seen: list[int] = []
-    step = loop._Engine.step
+    step = loop.SimulatedEngine.step
 
     def spy(self: Any, s: int) -> int:
         if not seen:
             seen.append(len(consumed))
         return step(self, s)
 
-    monkeypatch.setattr(loop._Engine, "step", spy)
+    monkeypatch.setattr(loop.SimulatedEngine, "step", spy)
     r = simulate(stream(50, 100), model="llama-3.1-8b", memory_bytes=2**30, max_seq_len=400)
     assert r.completed == 50
     assert seen == [2]  # the first request, and the next one peeked at: arrives at step 100

@@ -55,6 +55,7 @@ from kvcache.simulate.loop import (
     trace_lengths,
 )
 from kvcache.simulate.mooncake import DEFAULT_STEP_MS
+from kvcache.simulate.options import EngineOptions
 from kvcache.simulate.plot import plot_reports
 from kvcache.simulate.report import (
     SimulationReport,
@@ -87,6 +88,7 @@ __all__ = [
     "MAX_REQUEST_ID",
     "MAX_SIMULATED_BLOCKS",
     "MAX_TOKEN_ID",
+    "EngineOptions",
     "HitBounds",
     "KeyTrace",
     "RunRecord",

@@ -18,11 +18,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcache._extras import install_hint
 from kvcache.config import SHARE_POLICIES
 from kvcache.models import ModelPreset, load_model
 from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.beams import beam_footprint, format_beam_footprint
 from kvcache.simulate.bounds import key_trace
+from kvcache.simulate.fleet import (
+    ROUTERS,
+    format_fleet_report,
+    format_router_comparison,
+    simulate_fleet,
+)
 from kvcache.simulate.loop import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MEMORY,
@@ -32,6 +39,7 @@ from kvcache.simulate.loop import (
     trace_lengths,
 )
 from kvcache.simulate.mooncake import DEFAULT_STEP_MS
+from kvcache.simulate.options import EngineOptions
 from kvcache.simulate.plot import check_plot_path, plot_reports
 from kvcache.simulate.report import (
     SimulationReport,
@@ -300,6 +308,34 @@ def _all_rejected(report: SimulationReport, trace: Sequence[TraceRequest] | Trac
     )
 
 
+def _engine_options(args: argparse.Namespace, model: ModelPreset | None = None) -> EngineOptions:
+    """The one engine the flags describe (every run of the command and every engine of a
+    fleet is built from it; ``--compare-shares`` changes only the shares)."""
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None and args.trace is None:
+        max_seq_len = DEFAULT_MAX_SEQ_LEN
+    return EngineOptions(
+        model=model or load_model(args.model or DEFAULT_MODEL),
+        memory_bytes=args.memory if args.memory is not None else parse_size(DEFAULT_MEMORY),
+        shares=args.shares,
+        scheduler=args.scheduler,
+        max_batch_size=args.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+        max_seq_len=max_seq_len,
+        tokens_per_block=args.tokens_per_block or 32,
+        max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        chunked_prefill=not args.no_chunked_prefill,
+        max_chunk_size=args.max_chunk_size,
+        enable_block_reuse=not args.no_reuse,
+        swa_reuse_policy=args.swa_reuse_policy,
+        protect_reused_blocks=not args.plain_lru,
+        lend_free_memory=args.lend_free_memory,
+        host_cache_bytes=args.host_cache or 0,
+        disk_cache_bytes=getattr(args, "disk_cache", None) or 0,
+        draft_tokens=args.draft_tokens,
+        seed=args.seed or 0,
+    )
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Runs ``kvcache simulate`` from parsed arguments (see :mod:`kvcache.cli`).
 
@@ -315,9 +351,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """
     _check_fleet_flags(args)
     if args.engines > 1 or getattr(args, "compare_routers", False):
-        from kvcache.simulate.fleet import run_fleet_cli
-
-        return run_fleet_cli(args)
+        return _run_fleet(args)
     _check_flags(args)
     model = load_model(args.model or DEFAULT_MODEL)
     shares = args.shares
@@ -334,55 +368,30 @@ def run_cli(args: argparse.Namespace) -> int:
     warnings = _length_warnings(args, model, len(trace))  # printed once the runs succeeded
 
     show = not args.no_progress and sys.stderr.isatty()
-    memory = args.memory if args.memory is not None else parse_size(DEFAULT_MEMORY)
-    host_cache = args.host_cache or 0
-    max_seq_len = args.max_seq_len if args.max_seq_len is not None else None
-    if max_seq_len is None and args.trace is None:
-        max_seq_len = DEFAULT_MAX_SEQ_LEN
-    sizing: dict[str, Any] = {
-        "model": model,
-        "memory_bytes": memory,
-        "max_seq_len": max_seq_len,
-        "tokens_per_block": args.tokens_per_block or 32,
-        "host_cache_bytes": host_cache,
-    }
+    options = _engine_options(args, model)
+    max_seq_len = options.max_seq_len
     policies: list[str | Sequence[float] | None] = [shares]
     if args.compare_shares:
         policies = list(SHARE_POLICIES)
         if shares is not None and shares not in policies:
             policies.append(shares)
-    disk_cache = getattr(args, "disk_cache", None) or 0
     for p in policies:  # every run's sizing is checked before the first one starts
-        simulation_blocks(trace, shares=p, disk_cache_bytes=disk_cache, **sizing)
-
-    common: dict[str, Any] = {
-        **sizing,
-        "scheduler": args.scheduler,
-        "max_batch_size": args.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-        "enable_block_reuse": not args.no_reuse,
-        "swa_reuse_policy": args.swa_reuse_policy,
-        "protect_reused_blocks": not args.plain_lru,
-        "lend_free_memory": args.lend_free_memory,
-        "draft_tokens": args.draft_tokens,
-        "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        "chunked_prefill": not args.no_chunked_prefill,
-        "max_chunk_size": args.max_chunk_size,
-        "seed": args.seed or 0,
-        "progress": sys.stderr if show else None,
-    }
+        simulation_blocks(trace, options, shares=p)
+    progress = sys.stderr if show else None
     keys = None
     if not args.no_reuse and not getattr(args, "no_bounds", False):
         ordered = trace if isinstance(trace, list) or trace.scan().in_order else list(trace)
-        keys = key_trace(ordered, sizing["tokens_per_block"])
+        keys = key_trace(ordered, options.tokens_per_block)
     reports = [
-        simulate(trace, shares=p, disk_cache_bytes=disk_cache, key_trace=keys, **common)
-        for p in policies
+        simulate(trace, options, shares=p, key_trace=keys, progress=progress) for p in policies
     ]
-    if disk_cache:  # the same runs without the disk tier: what it adds
+    if options.disk_cache_bytes:  # the same runs without the disk tier: what it adds
         reports = [
             dataclasses.replace(
                 r,
-                cache_hit_rate_without_disk=simulate(trace, shares=p, **common).cache_hit_rate,
+                cache_hit_rate_without_disk=simulate(
+                    trace, options, shares=p, disk_cache_bytes=0, progress=progress
+                ).cache_hit_rate,
             )
             for p, r in zip(policies, reports, strict=True)
         ]
@@ -425,4 +434,83 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_reports(reports, args.plot)
         print(f"wrote the plot to {os.fspath(args.plot)}")
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    """``kvcache simulate --engines N`` (N > 1) or ``--compare-routers``.
+
+    Checks every input before the first step, as ``kvcache simulate`` does; ``--json`` writes
+    ``{"version", "workload", "fleets": [fleet report, ...]}``.
+
+    Raises:
+        ValueError: Any bad input (one line; the command exits with status 2).
+    """
+    from kvcache import __version__
+
+    _check_flags(args)
+    if args.compare_routers and args.engines < 2:
+        raise ValueError("--compare-routers compares how a fleet is routed; give --engines 2+")
+    for flag, used in (
+        ("--compare-shares", args.compare_shares),
+        ("--plot", args.plot is not None),
+    ):
+        if used:
+            raise ValueError(f"{flag} shows one engine's run; it cannot be used with --engines")
+    routers = list(ROUTERS) if args.compare_routers else [args.router]
+    if "kv" in routers:
+        try:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError:
+            which = (
+                "--compare-routers runs the kv router too, which"
+                if args.compare_routers
+                else "--router kv (the default router of --engines)"
+            )
+            raise ValueError(f"{which} needs the events extra: {install_hint('events')}") from None
+    if args.shares is None:
+        resolve_share_policy(None)
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    trace, workload_text, workload_info = _workload(args)
+    options = _engine_options(args)
+    simulation_blocks(trace, options)
+    show = not args.no_progress and sys.stderr.isatty()
+    reports = [
+        simulate_fleet(
+            trace,
+            options,
+            engines=args.engines,
+            router=router,
+            progress=sys.stderr if show else None,
+        )
+        for router in routers
+    ]
+    for r in reports:
+        if r.completed == 0 and r.rejected == r.requests:
+            raise ValueError(
+                _all_rejected(dataclasses.replace(r.engines[0], requests=r.requests), trace)
+            )
+    if args.compare_routers:
+        print(format_router_comparison(reports, workload=workload_text))
+    else:
+        print(format_fleet_report(reports[0], workload=workload_text))
+    if reports[0].rejected:
+        print(
+            f"kvcache: warning: {reports[0].rejected:,} of {reports[0].requests:,} requests were "
+            "rejected: they can never fit an engine's pools or max_seq_len",
+            file=sys.stderr,
+        )
+    if args.json is not None:
+        payload = {
+            "version": __version__,
+            "workload": workload_info,
+            "fleets": [r.to_dict() for r in reports],
+        }
+        try:
+            Path(args.json).write_text(json.dumps(payload) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot write {args.json!r}: {e.strerror or e}") from None
+        print(f"wrote the JSON report to {os.fspath(args.json)}")
     return 0

@@ -2,7 +2,7 @@
 
 :func:`simulate_fleet` builds ``N`` engines (same model, memory and config each), each a
 virtual-backend manager driven step by step exactly as :func:`~kvcache.simulate.simulate`
-drives its one engine (both use ``loop._Engine``), on one shared clock of engine steps. A
+drives its one engine (both use ``loop.SimulatedEngine``), on one shared clock of engine steps. A
 request is routed when it arrives (before that step runs) and stays on its engine:
 
 * ``round-robin``: request ``i`` (in arrival order) goes to engine ``i % N``;
@@ -26,31 +26,23 @@ block after the predicted prefix, so it may find up to ``tokens_per_block - 1`` 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TextIO, cast
 
 import numpy as np
 
 from kvcache._extras import install_hint
-from kvcache.models import ModelPreset
 from kvcache.resource_manager import Request
-from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.loop import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MODEL,
-    _Engine,
-    _Progress,
-    _requests,
-    _setup,
+    ProgressBar,
+    SimulatedEngine,
+    engine_setup,
+    scheduler_requests,
 )
+from kvcache.simulate.options import EngineOptions, engine_options
 from kvcache.simulate.report import SimulationReport
 from kvcache.simulate.workload import TraceRequest
 from kvcache.sizing import format_size
@@ -135,7 +127,7 @@ class FleetReport:
 class _KvRoute:
     """The ``kv`` router: an index fed by the engines' event payloads."""
 
-    def __init__(self, engines: Sequence[_Engine]) -> None:
+    def __init__(self, engines: Sequence[SimulatedEngine]) -> None:
         try:
             from kvcache.events import EventBatcher
             from kvcache.router import KvIndexer
@@ -168,32 +160,12 @@ class _KvRoute:
 
 def simulate_fleet(
     trace: Sequence[TraceRequest],
+    options: EngineOptions | None = None,
     *,
     engines: int = 2,
     router: str = "kv",
-    model: str | ModelPreset = DEFAULT_MODEL,
-    memory_bytes: int | None = None,
-    shares: str | Sequence[float] | None = None,
-    scheduler: str = "max_utilization",
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-    max_seq_len: int | None = None,
-    tokens_per_block: int = 32,
-    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    chunked_prefill: bool = True,
-    max_chunk_size: int | None = None,
-    enable_block_reuse: bool = True,
-    enable_partial_reuse: bool = True,
-    swa_reuse_policy: str = "placeholder",
-    protect_reused_blocks: bool = True,
-    lend_free_memory: bool = False,
-    host_cache_bytes: int = 0,
-    expected_seq_len: int | None = None,
-    draft_tokens: int = 0,
-    draft_acceptance: float = 0.6,
-    seed: int = 0,
-    disk_cache_bytes: int = 0,
-    check_invariants: bool = False,
     progress: TextIO | None = None,
+    **changes: Any,
 ) -> FleetReport:
     """Replays a workload through ``engines`` simulated engines behind ``router``.
 
@@ -206,15 +178,11 @@ def simulate_fleet(
         trace: The requests (routed by arrival step, then id).
         engines: Engines in the fleet, 1 to :data:`MAX_ENGINES`.
         router: ``"kv"``, ``"round-robin"`` or ``"least-loaded"`` (see the module).
-        enable_partial_reuse: The config's ``enable_partial_reuse`` (``False``: the ``kv``
-            router's predictions are exact whenever nothing changed between routing and
+        options, **changes: Every engine's options, as for :func:`~kvcache.simulate.simulate`
+            (``memory_bytes`` is per engine; ``enable_partial_reuse=False`` makes the ``kv``
+            router's predictions exact whenever nothing changed between routing and
             registration).
-        model, memory_bytes, shares, scheduler, max_batch_size, max_seq_len,
-        tokens_per_block, max_num_batched_tokens, chunked_prefill, max_chunk_size,
-        enable_block_reuse, swa_reuse_policy, protect_reused_blocks, lend_free_memory,
-        host_cache_bytes, expected_seq_len, draft_tokens, draft_acceptance, seed,
-        disk_cache_bytes, check_invariants, progress: As for
-            :func:`~kvcache.simulate.simulate`.
+        progress: As for :func:`~kvcache.simulate.simulate`.
 
     Returns:
         The fleet's report, with each engine's.
@@ -231,59 +199,25 @@ def simulate_fleet(
         raise ValueError(f"engines must be in 1..{MAX_ENGINES}, got {engines}")
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}; got {router!r}")
-    disk = disk_cache_bytes if enable_block_reuse else 0
-    setup = _setup(
-        trace,
-        model=model,
-        memory_bytes=memory_bytes,
-        shares=shares,
-        max_seq_len=max_seq_len,
-        tokens_per_block=tokens_per_block,
-        enable_block_reuse=enable_block_reuse,
-        swa_reuse_policy=swa_reuse_policy,
-        protect_reused_blocks=protect_reused_blocks,
-        lend_free_memory=lend_free_memory,
-        host_cache_bytes=host_cache_bytes,
-        expected_seq_len=expected_seq_len,
-        draft_tokens=draft_tokens,
-        disk_cache_bytes=disk,
-    )
+    opts = engine_options(options, changes, caller="simulate_fleet")
+    setup = engine_setup(trace, opts)
     config = dataclasses.replace(
-        setup.config,
-        enable_partial_reuse=enable_partial_reuse,
-        event_buffer_max_size=_EVENT_BUFFER if router == "kv" else 0,
+        setup.config, event_buffer_max_size=_EVENT_BUFFER if router == "kv" else 0
     )
     outputs = {t.request_id: t.output for t in trace}
     fleet = [
-        _Engine(
+        SimulatedEngine(
             setup,
             config,
             outputs,
-            scheduler=scheduler,
-            max_batch_size=max_batch_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill=chunked_prefill,
-            max_chunk_size=max_chunk_size,
-            draft_tokens=draft_tokens,
-            draft_acceptance=draft_acceptance,
-            rng=np.random.default_rng(seed if i == 0 else [seed, i]),
-            check_invariants=check_invariants,
+            opts,
+            rng=np.random.default_rng([opts.seed, i] if i else opts.seed),
         )
         for i in range(engines)
     ]
     kv = _KvRoute(fleet) if router == "kv" else None
     run = _run(fleet, trace, router, kv, progress)
-    reports = [
-        e.report(
-            wall_seconds=run.wall,
-            enable_block_reuse=enable_block_reuse,
-            swa_reuse_policy=swa_reuse_policy,
-            protect_reused_blocks=protect_reused_blocks,
-            host_cache_bytes=host_cache_bytes,
-            disk_cache_bytes=disk,
-        )
-        for e in fleet
-    ]
+    reports = [e.report(wall_seconds=run.wall, options=opts) for e in fleet]
     return _fleet_report(router, fleet, reports, run, kv)
 
 
@@ -298,7 +232,7 @@ class _Run:
 
 
 def _run(
-    fleet: list[_Engine],
+    fleet: list[SimulatedEngine],
     trace: Sequence[TraceRequest],
     router: str,
     kv: _KvRoute | None,
@@ -306,14 +240,14 @@ def _run(
 ) -> _Run:
     """Routes and steps the whole trace on one clock of engine steps."""
     by_id = {t.request_id: t for t in trace}
-    pending: list[Request] = _requests(trace)
+    pending: list[Request] = scheduler_requests(trace)
     n = len(fleet)
     run = _Run([0] * n, {}, {}, [], {"step": [], "running": [], "imbalance": []}, 0.0)
 
     def load(e: Any) -> float:
         return float(len(fleet[int(e)].active))
 
-    bar = _Progress(len(pending), progress)
+    bar = ProgressBar(len(pending), progress)
     wall0 = time.perf_counter()
     step = next_pending = 0
     while next_pending < len(pending) or any(e.active for e in fleet):
@@ -350,7 +284,7 @@ def _run(
 
 def _fleet_report(
     router: str,
-    fleet: list[_Engine],
+    fleet: list[SimulatedEngine],
     reports: list[SimulationReport],
     run: _Run,
     kv: _KvRoute | None,
@@ -431,13 +365,13 @@ def format_fleet_report(r: FleetReport, *, workload: str | None = None) -> str:
     lines += [
         "",
         f"  {'engine':>6} {'requests':>9} {'steps':>8} {'hit rate':>9} {'reused tokens':>14} "
-        f"{'mean running':>13} {'peak':>5} {'latency (steps)':>15}",
+        f"{'mean running':>13} {'peak':>5} {'mean latency (steps)':>21}",
     ]
     for i, (e, n) in enumerate(zip(r.engines, r.assigned, strict=True)):
         lines.append(
             f"  {i:>6} {n:>9,} {e.steps:>8,} {_rate(e.cache_hit_rate):>9} "
             f"{e.reused_tokens:>14,} {e.mean_concurrency:>13.1f} {e.peak_concurrency:>5} "
-            f"{e.mean_latency_steps:>15,.0f}"
+            f"{e.mean_latency_steps:>21,.0f}"
         )
     lines.append(f"  wall time           {r.wall_seconds:.1f} s")
     return "\n".join(lines)
@@ -480,115 +414,3 @@ def format_router_comparison(reports: Sequence[FleetReport], *, workload: str | 
     for label, vals in rows:
         lines.append(f"  {label:<22}" + "".join(f"{v:>{width + 2}}" for v in vals))
     return "\n".join(lines)
-
-
-def run_fleet_cli(args: argparse.Namespace) -> int:
-    """``kvcache simulate --engines N`` (N > 1) or ``--compare-routers``.
-
-    Checks every input before the first step, as ``kvcache simulate`` does; ``--json`` writes
-    ``{"version", "workload", "fleets": [fleet report, ...]}``.
-
-    Raises:
-        ValueError: Any bad input (one line; the command exits with status 2).
-    """
-    from kvcache import __version__
-    from kvcache.models import load_model
-    from kvcache.simulate.command import (
-        _all_rejected,
-        _check_flags,
-        _workload,
-        check_output_path,
-    )
-    from kvcache.simulate.loop import DEFAULT_MEMORY, simulation_blocks
-    from kvcache.simulate.workload import DEFAULT_MAX_SEQ_LEN
-    from kvcache.sizing import parse_size, resolve_share_policy
-
-    _check_flags(args)
-    if args.compare_routers and args.engines < 2:
-        raise ValueError("--compare-routers compares how a fleet is routed; give --engines 2+")
-    for flag, used in (
-        ("--compare-shares", args.compare_shares),
-        ("--plot", args.plot is not None),
-    ):
-        if used:
-            raise ValueError(f"{flag} shows one engine's run; it cannot be used with --engines")
-    routers = list(ROUTERS) if args.compare_routers else [args.router]
-    if "kv" in routers:
-        try:
-            import msgspec  # noqa: F401
-            import zmq  # noqa: F401
-        except ImportError:
-            which = (
-                "--compare-routers runs the kv router too, which"
-                if args.compare_routers
-                else "--router kv (the default router of --engines)"
-            )
-            raise ValueError(f"{which} needs the events extra: {install_hint('events')}") from None
-    model = load_model(args.model or DEFAULT_MODEL)
-    if args.shares is None:
-        resolve_share_policy(None)
-    if args.json is not None:
-        check_output_path(args.json, "--json")
-    trace, workload_text, workload_info = _workload(args)
-    max_seq_len = args.max_seq_len
-    if max_seq_len is None and args.trace is None:
-        max_seq_len = DEFAULT_MAX_SEQ_LEN
-    sizing: dict[str, Any] = {
-        "model": model,
-        "memory_bytes": args.memory if args.memory is not None else parse_size(DEFAULT_MEMORY),
-        "max_seq_len": max_seq_len,
-        "tokens_per_block": args.tokens_per_block or 32,
-        "host_cache_bytes": args.host_cache or 0,
-        "shares": args.shares,
-        "disk_cache_bytes": getattr(args, "disk_cache", None) or 0,
-    }
-    simulation_blocks(trace, **sizing)
-    show = not args.no_progress and sys.stderr.isatty()
-    reports = [
-        simulate_fleet(
-            trace,
-            engines=args.engines,
-            router=router,
-            scheduler=args.scheduler,
-            max_batch_size=args.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
-            enable_block_reuse=not args.no_reuse,
-            swa_reuse_policy=args.swa_reuse_policy,
-            protect_reused_blocks=not args.plain_lru,
-            lend_free_memory=args.lend_free_memory,
-            draft_tokens=args.draft_tokens,
-            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            chunked_prefill=not args.no_chunked_prefill,
-            max_chunk_size=args.max_chunk_size,
-            seed=args.seed or 0,
-            progress=sys.stderr if show else None,
-            **sizing,
-        )
-        for router in routers
-    ]
-    for r in reports:
-        if r.completed == 0 and r.rejected == r.requests:
-            raise ValueError(
-                _all_rejected(dataclasses.replace(r.engines[0], requests=r.requests), trace)
-            )
-    if args.compare_routers:
-        print(format_router_comparison(reports, workload=workload_text))
-    else:
-        print(format_fleet_report(reports[0], workload=workload_text))
-    if reports[0].rejected:
-        print(
-            f"kvcache: warning: {reports[0].rejected:,} of {reports[0].requests:,} requests were "
-            "rejected: they can never fit an engine's pools or max_seq_len",
-            file=sys.stderr,
-        )
-    if args.json is not None:
-        payload = {
-            "version": __version__,
-            "workload": workload_info,
-            "fleets": [r.to_dict() for r in reports],
-        }
-        try:
-            Path(args.json).write_text(json.dumps(payload) + "\n", encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"cannot write {args.json!r}: {e.strerror or e}") from None
-        print(f"wrote the JSON report to {os.fspath(args.json)}")
-    return 0

@@ -11,10 +11,11 @@ come from the workload, so runs are deterministic.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -22,11 +23,18 @@ from kvcache.config import KvCacheConfig
 from kvcache.manager import KVCacheManager
 from kvcache.models import ModelPreset, load_model
 from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
-from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, CapacityScheduler
+from kvcache.scheduler import CapacityScheduler
 from kvcache.simulate.bounds import KeyTrace, RunRecord, analyze_run
 from kvcache.simulate.bounds import key_trace as make_key_trace
+from kvcache.simulate.options import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MEMORY,
+    DEFAULT_MODEL,
+    EngineOptions,
+    engine_options,
+)
 from kvcache.simulate.report import SimulationReport, WindowReport
-from kvcache.simulate.workload import _VOCAB, TraceFile, TraceRequest
+from kvcache.simulate.workload import VOCAB, TraceFile, TraceRequest
 from kvcache.sizing import (
     blocks_per_window,
     bytes_per_token,
@@ -41,17 +49,17 @@ __all__ = [
     "DEFAULT_MEMORY",
     "DEFAULT_MODEL",
     "MAX_SIMULATED_BLOCKS",
+    "EngineOptions",
+    "EngineSetup",
+    "ProgressBar",
+    "SimulatedEngine",
+    "engine_setup",
+    "scheduler_requests",
     "simulate",
     "simulation_blocks",
     "trace_lengths",
 ]
 
-#: The preset simulated when none is given (a VSWA model: 5 sliding layers per full one).
-DEFAULT_MODEL = "gemma-3-12b"
-#: The primary memory budget simulated when none is given.
-DEFAULT_MEMORY = "16GiB"
-#: Most requests running at once when not given.
-DEFAULT_MAX_BATCH_SIZE = 128
 #: Host memory the native manager keeps per block for its bookkeeping, even on the
 #: virtual backend (reference counts, owners, free-queue links, tree links), roughly.
 BOOKKEEPING_BYTES_PER_BLOCK = 70
@@ -61,7 +69,7 @@ BOOKKEEPING_BYTES_PER_BLOCK = 70
 MAX_SIMULATED_BLOCKS = 2**25
 
 
-class _Progress:
+class ProgressBar:
     """A one-line progress bar: requests done and engine steps run (as in the report)."""
 
     def __init__(self, total: int | None, stream: TextIO | None) -> None:
@@ -89,7 +97,9 @@ class _Progress:
 
 
 @dataclass(frozen=True)
-class _Setup:
+class EngineSetup:
+    """What a run's engines are built from: the preset, its config and the pools."""
+
     preset: ModelPreset
     config: KvCacheConfig
     memory: int
@@ -130,23 +140,13 @@ def trace_lengths(trace: Iterable[TraceRequest] | TraceFile) -> Sequence[int] | 
     return None
 
 
-def _setup(
-    trace: Iterable[TraceRequest] | TraceFile,
-    *,
-    model: str | ModelPreset,
-    memory_bytes: int | None,
-    shares: str | Sequence[float] | None,
-    max_seq_len: int | None,
-    tokens_per_block: int,
-    enable_block_reuse: bool,
-    swa_reuse_policy: str,
-    host_cache_bytes: int,
-    expected_seq_len: int | None,
-    protect_reused_blocks: bool = True,
-    draft_tokens: int = 0,
-    disk_cache_bytes: int = 0,
-    lend_free_memory: bool = False,
-) -> _Setup:
+def engine_setup(trace: Iterable[TraceRequest] | TraceFile, options: EngineOptions) -> EngineSetup:
+    """Sizes the pools of a run's engines (``options``) for ``trace``; raises what
+    :func:`simulate` raises for bad sizing."""
+    model, max_seq_len = options.model, options.max_seq_len
+    memory_bytes, host_cache_bytes = options.memory_bytes, options.host_cache_bytes
+    expected_seq_len, draft_tokens = options.expected_seq_len, options.draft_tokens
+    disk_cache_bytes = options.disk_bytes_used
     preset = model if isinstance(model, ModelPreset) else load_model(model)
     memory = parse_size(DEFAULT_MEMORY) if memory_bytes is None else memory_bytes
     lengths = trace_lengths(trace)
@@ -163,15 +163,16 @@ def _setup(
         assert lengths is not None
         seq_len = min(max(lengths), preset.max_context)
     config = preset.kv_cache_config(
-        tokens_per_block=tokens_per_block,
-        window_size_shares=shares,
+        tokens_per_block=options.tokens_per_block,
+        window_size_shares=options.shares,
         backend="virtual",
-        enable_block_reuse=enable_block_reuse,
-        swa_reuse_policy=swa_reuse_policy,
-        protect_reused_blocks=protect_reused_blocks,
+        enable_block_reuse=options.enable_block_reuse,
+        enable_partial_reuse=options.enable_partial_reuse,
+        swa_reuse_policy=options.swa_reuse_policy,
+        protect_reused_blocks=options.protect_reused_blocks,
         host_cache_size=host_cache_bytes,
         disk_cache_size=disk_cache_bytes,
-        lend_free_memory=lend_free_memory,
+        lend_free_memory=options.lend_free_memory,
     )
     policy, _ = resolve_share_policy(config.window_size_shares)
     share_text = policy if isinstance(policy, str) else ",".join(f"{s:g}" for s in policy)
@@ -220,72 +221,39 @@ def _setup(
             f"({format_size(MAX_SIMULATED_BLOCKS * BOOKKEEPING_BYTES_PER_BLOCK)}); "
             "give less memory or more tokens per block"
         )
-    return _Setup(preset, config, memory, seq_len, blocks, share_text, expected, disk)
+    return EngineSetup(preset, config, memory, seq_len, blocks, share_text, expected, disk)
 
 
 def simulation_blocks(
     trace: Sequence[TraceRequest] | TraceFile,
-    *,
-    model: str | ModelPreset = DEFAULT_MODEL,
-    memory_bytes: int | None = None,
-    shares: str | Sequence[float] | None = None,
-    max_seq_len: int | None = None,
-    tokens_per_block: int = 32,
-    host_cache_bytes: int = 0,
-    expected_seq_len: int | None = None,
-    disk_cache_bytes: int = 0,
+    options: EngineOptions | None = None,
+    **changes: Any,
 ) -> dict[int, tuple[int, int]]:
     """The ``(primary, secondary)`` blocks per window that :func:`simulate` would use.
 
-    Cheap (no manager is built): checks a run's sizing before starting it. The arguments
-    mean what they mean for :func:`simulate`.
+    Cheap (no manager is built): checks a run's sizing before starting it. ``options`` and
+    the keyword ``changes`` mean what they mean for :func:`simulate` (only the sizing fields
+    matter: model, memory, shares, max_seq_len, tokens_per_block, host and disk cache,
+    expected_seq_len).
 
     Raises:
         ValueError: Exactly what :func:`simulate` raises for these arguments before it runs.
+        TypeError: A keyword that is no :class:`~kvcache.simulate.options.EngineOptions` field.
     """
-    return _setup(
-        trace,
-        model=model,
-        memory_bytes=memory_bytes,
-        shares=shares,
-        max_seq_len=max_seq_len,
-        tokens_per_block=tokens_per_block,
-        enable_block_reuse=True,
-        swa_reuse_policy="placeholder",
-        host_cache_bytes=host_cache_bytes,
-        expected_seq_len=expected_seq_len,
-        disk_cache_bytes=disk_cache_bytes,
-    ).blocks
+    opts = engine_options(options, changes, caller="simulation_blocks")
+    # The disk tier is sized whether or not the run reuses (simulate sizes it only with).
+    return engine_setup(trace, dataclasses.replace(opts, enable_block_reuse=True)).blocks
 
 
 def simulate(
     trace: Iterable[TraceRequest] | TraceFile,
+    options: EngineOptions | None = None,
     *,
-    model: str | ModelPreset = DEFAULT_MODEL,
-    memory_bytes: int | None = None,
-    shares: str | Sequence[float] | None = None,
-    scheduler: str = "max_utilization",
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-    max_seq_len: int | None = None,
-    tokens_per_block: int = 32,
-    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    chunked_prefill: bool = True,
-    max_chunk_size: int | None = None,
-    enable_block_reuse: bool = True,
-    swa_reuse_policy: str = "placeholder",
-    protect_reused_blocks: bool = True,
-    lend_free_memory: bool = False,
-    host_cache_bytes: int = 0,
-    expected_seq_len: int | None = None,
-    draft_tokens: int = 0,
-    draft_acceptance: float = 0.6,
-    seed: int = 0,
-    disk_cache_bytes: int = 0,
-    check_invariants: bool = False,
     progress: TextIO | None = None,
     hit_bounds: bool = False,
     key_trace: KeyTrace | None = None,
     belady: bool = True,
+    **changes: Any,
 ) -> SimulationReport:
     """Replays a workload through a virtual-backend manager and reports what happened.
 
@@ -300,39 +268,11 @@ def simulate(
             tokens are dropped when it finishes, so a long trace never sits in memory whole.
             The run is the list's, except that more than ``max_batch_size`` requests in a
             row that can never fit are rejected over several steps instead of one.
-        model: A preset name or preset.
-        memory_bytes: Primary KV memory budget (default :data:`DEFAULT_MEMORY`).
-        shares: Window share policy or list (``None``: environment, else ``"equal"``).
-        scheduler: ``"max_utilization"`` or ``"guaranteed_no_evict"``.
-        max_batch_size: Most requests running at once.
-        max_seq_len: Longest sequence (default: the longest request, within the model's
-            context).
-        tokens_per_block: Block size.
-        max_num_batched_tokens: Tokens per engine step, generation tokens and prefill
-            chunks together (``None``: unlimited; see
-            :class:`~kvcache.scheduler.CapacityScheduler`).
-        chunked_prefill: Prefill prompts in chunks that fill the token budget (default);
-            ``False`` prefills every prompt whole in one step.
-        max_chunk_size: Most tokens of one prefill chunk (``None``: the budget).
-        enable_block_reuse: Reuse cached prompt prefixes (the config's
-            ``enable_block_reuse``).
-        swa_reuse_policy: ``"invalidate"`` or ``"placeholder"`` (the config's
-            ``swa_reuse_policy``): what reuse does with sliding-window blocks that another
-            request reclaimed.
-        protect_reused_blocks: Segmented LRU (the config's ``protect_reused_blocks``);
-            ``False`` evicts in plain LRU order per priority.
-        lend_free_memory: The windows lend each other free memory at run time (the
-            config's ``lend_free_memory``): the shares set the initial split only.
-        host_cache_bytes: Secondary (host) memory for offloaded reusable blocks (the
-            config's ``host_cache_size``; 0: none).
-        disk_cache_bytes: Disk tier below the host cache (the config's
-            ``disk_cache_size``; needs ``host_cache_bytes``; 0: none).
-        expected_seq_len: Typical sequence length for the ``"auto"`` share policy
-            (default: the workload's mean prompt + output length).
-        draft_tokens: Draft tokens proposed per generation step (speculative decoding).
-        draft_acceptance: Probability that each successive draft token is accepted.
-        seed: Seeds the draft acceptance.
-        check_invariants: Call ``check_invariants()`` after every step (slow).
+        options: The engine (:class:`~kvcache.simulate.options.EngineOptions`: model,
+            memory, shares, scheduler, batch and step limits, cache policy, host and disk
+            cache, drafts, seed, ``check_invariants``); ``None``: the defaults.
+        **changes: Any :class:`~kvcache.simulate.options.EngineOptions` field as a keyword
+            (``simulate(trace, memory_bytes=2**30)``), applied to ``options``.
         progress: Stream for a progress bar (``None``: none).
         hit_bounds: Set the run beside the trace's offline bounds
             (:mod:`kvcache.simulate.bounds`): the report's ``hit_bounds``. Reads the trace
@@ -351,26 +291,13 @@ def simulate(
             :data:`BOOKKEEPING_BYTES_PER_BLOCK` bytes of bookkeeping per block); a stream
             whose arrivals decrease.
     """
+    opts = engine_options(options, changes, caller="simulate")
     if isinstance(trace, TraceFile) and not trace.scan().in_order:
         trace = sorted(trace, key=lambda t: (t.arrival, t.request_id))
-    setup = _setup(
-        trace,
-        model=model,
-        memory_bytes=memory_bytes,
-        shares=shares,
-        max_seq_len=max_seq_len,
-        tokens_per_block=tokens_per_block,
-        enable_block_reuse=enable_block_reuse,
-        swa_reuse_policy=swa_reuse_policy,
-        protect_reused_blocks=protect_reused_blocks,
-        lend_free_memory=lend_free_memory,
-        host_cache_bytes=host_cache_bytes,
-        expected_seq_len=expected_seq_len,
-        draft_tokens=draft_tokens,
-        disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
-    )
+    setup = engine_setup(trace, opts)
+    tokens_per_block, max_batch_size = opts.tokens_per_block, opts.max_batch_size
     keys: KeyTrace | None = None
-    if enable_block_reuse and (hit_bounds or key_trace is not None):
+    if opts.enable_block_reuse and (hit_bounds or key_trace is not None):
         keys = key_trace
         if keys is None:
             if not isinstance(trace, (Sequence, TraceFile)):
@@ -384,20 +311,8 @@ def simulate(
                 f"key_trace is keyed at {keys.tokens_per_block} tokens per block, the run "
                 f"at {tokens_per_block}"
             )
-    engine = _Engine(
-        setup,
-        setup.config,
-        {},
-        scheduler=scheduler,
-        max_batch_size=max_batch_size,
-        max_num_batched_tokens=max_num_batched_tokens,
-        chunked_prefill=chunked_prefill,
-        max_chunk_size=max_chunk_size,
-        draft_tokens=draft_tokens,
-        draft_acceptance=draft_acceptance,
-        rng=np.random.default_rng(seed),
-        check_invariants=check_invariants,
-        record=keys is not None,
+    engine = SimulatedEngine(
+        setup, setup.config, {}, opts, rng=np.random.default_rng(opts.seed), record=keys is not None
     )
     if isinstance(trace, Sequence):
         in_order = sorted(trace, key=lambda t: (t.arrival, t.request_id))
@@ -414,7 +329,7 @@ def simulate(
     ahead = 2 * max_batch_size
     if isinstance(trace, Sequence):
         ahead = max(ahead, len(trace))
-    bar = _Progress(len(arrivals) if arrivals is not None else None, progress)
+    bar = ProgressBar(len(arrivals) if arrivals is not None else None, progress)
     wall0 = time.perf_counter()
     step = pulled = last = 0
     nxt = next(source, None)
@@ -436,14 +351,7 @@ def simulate(
         step += 1
         bar.update(engine.num_done, engine.num_steps, running)
     bar.update(engine.num_done, engine.num_steps, 0, final=True)
-    report = engine.report(
-        wall_seconds=time.perf_counter() - wall0,
-        enable_block_reuse=enable_block_reuse,
-        swa_reuse_policy=swa_reuse_policy,
-        protect_reused_blocks=protect_reused_blocks,
-        host_cache_bytes=host_cache_bytes,
-        disk_cache_bytes=disk_cache_bytes,
-    )
+    report = engine.report(wall_seconds=time.perf_counter() - wall0, options=opts)
     if keys is not None:
         window = max(setup.blocks)
         primary, secondary = setup.blocks[window]
@@ -470,12 +378,12 @@ def _request(t: TraceRequest) -> Request:
     )
 
 
-def _requests(trace: Sequence[TraceRequest]) -> list[Request]:
+def scheduler_requests(trace: Sequence[TraceRequest]) -> list[Request]:
     """The trace's requests as the scheduler's, by arrival step, then id."""
     return [_request(t) for t in sorted(trace, key=lambda t: (t.arrival, t.request_id))]
 
 
-class _Engine:
+class SimulatedEngine:
     """One simulated engine: a manager, its scheduler and the requests admitted to it.
 
     :meth:`admit` hands it a request; :meth:`step` runs one engine step (schedule, prepare,
@@ -486,23 +394,19 @@ class _Engine:
 
     def __init__(
         self,
-        setup: _Setup,
+        setup: EngineSetup,
         config: KvCacheConfig,
         outputs: dict[int, tuple[int, ...]],
+        options: EngineOptions,
         *,
-        scheduler: str,
-        max_batch_size: int,
-        max_num_batched_tokens: int | None,
-        chunked_prefill: bool,
-        max_chunk_size: int | None,
-        draft_tokens: int,
-        draft_acceptance: float,
         rng: np.random.Generator,
-        check_invariants: bool,
         record: bool = False,
     ) -> None:
         self.setup = setup
         self.config = config
+        scheduler, max_batch_size = options.scheduler, options.max_batch_size
+        max_num_batched_tokens, draft_tokens = options.max_num_batched_tokens, options.draft_tokens
+        chunked_prefill = options.chunked_prefill
         self.manager = KVCacheManager.from_blocks(
             setup.preset.model,
             config,
@@ -518,16 +422,16 @@ class _Engine:
             scheduler,
             max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=chunked_prefill,
-            max_chunk_size=max_chunk_size,
+            max_chunk_size=options.max_chunk_size,
         )
         self.scheduler = scheduler
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.draft_tokens = draft_tokens
-        self._acceptance = draft_acceptance
+        self._acceptance = options.draft_acceptance
         self._rng = rng
-        self._check = check_invariants
+        self._check = options.check_invariants
         self._outputs = outputs
         self.windows = self.rm.window_sizes
         self.primary = {w: self.rm.num_primary_blocks(w) for w in self.windows}
@@ -640,25 +544,31 @@ class _Engine:
             sliding, checkpoint = self._lost_counters()
             rec.lost_sliding_tokens += sliding - lost0[0]
             rec.lost_checkpoint_tokens += checkpoint - lost0[1]
-        for r in batch.context_requests:
-            self.context_tokens += batch.chunk_size(r)
+        # The model's output, one token per batch entry (-1: a chunk that does not end its
+        # prompt), and per generation entry the drafts that matched; applied in one call.
+        tokens: list[int] = []
+        for r, chunk in batch.context:
+            self.context_tokens += chunk
             self.chunks += 1
-            if batch.is_last_chunk(r):
-                r.append_tokens([outputs[r.request_id][r.num_generated]])
+            if r.context_position + chunk >= r.context_len:
+                tokens.append(outputs[r.request_id][r.num_generated])
                 self.generated += 1
+            else:
+                tokens.append(-1)
+        accepted: list[int] | None = [] if self.draft_tokens else None
         for r, d in batch.generation:
             g = r.num_generated
-            accepted = 0
-            while accepted < d and r.draft_tokens[accepted] == outputs[r.request_id][g + accepted]:
-                accepted += 1
-            r.append_tokens(outputs[r.request_id][g : g + accepted + 1])
-            self.generated += accepted + 1
-            r.rewind_len = d - accepted
+            ours = outputs[r.request_id]
+            a = 0
+            while a < d and r.draft_tokens[a] == ours[g + a]:
+                a += 1
+            tokens.append(ours[g + a])
+            self.generated += a + 1
+            if accepted is not None:
+                accepted.append(a)
         t3 = time.perf_counter()
-        rm.update_resources(batch)
-        done = [r for r in batch.context_requests + batch.generation_requests if r.is_finished]
+        done = rm.complete_step(batch, tokens, accepted=accepted)
         for r in done:
-            rm.free_resources(r)
             self.finish_step[r.request_id] = step + 1
         self.manager.refresh_blocks()
         t4 = time.perf_counter()
@@ -689,17 +599,8 @@ class _Engine:
             ]
         return len(batch)
 
-    def report(
-        self,
-        *,
-        wall_seconds: float,
-        enable_block_reuse: bool,
-        swa_reuse_policy: str,
-        protect_reused_blocks: bool,
-        host_cache_bytes: int,
-        disk_cache_bytes: int,
-    ) -> SimulationReport:
-        """What this engine did (the arguments are the run's, as given to :func:`simulate`)."""
+    def report(self, *, wall_seconds: float, options: EngineOptions) -> SimulationReport:
+        """What this engine did (``options``: the run's, as given to :func:`simulate`)."""
         setup, series, manager = self.setup, self.series, self.manager
         preset, config, seq_len = setup.preset, self.config, setup.seq_len
         tokens_per_block = config.tokens_per_block
@@ -758,14 +659,14 @@ class _Engine:
             cache_hit_rate_per_window={
                 int(w): float(v) for w, v in stats.cache_hit_rate_per_window_size.items()
             },
-            swa_reuse_policy=swa_reuse_policy,
-            protect_reused_blocks=protect_reused_blocks,
+            swa_reuse_policy=options.swa_reuse_policy,
+            protect_reused_blocks=options.protect_reused_blocks,
             lend_free_memory=bool(manager.lends_free_memory),
             lent_slabs=int(stats.lent_slabs),
-            host_cache_bytes=host_cache_bytes if enable_block_reuse else 0,
-            disk_cache_bytes=disk_cache_bytes if enable_block_reuse else 0,
+            host_cache_bytes=options.host_cache_bytes if options.enable_block_reuse else 0,
+            disk_cache_bytes=options.disk_bytes_used,
             secondary_blocks={int(w): int(v[1]) for w, v in manager.blocks_per_window.items()},
-            reuse_enabled=enable_block_reuse,
+            reuse_enabled=options.enable_block_reuse,
             expected_seq_len=setup.expected_seq_len,
             chunked_prefill=self.chunked_prefill,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -801,7 +702,7 @@ def _propose_drafts(
         if j < len(truth) and rng.random() < acceptance:
             drafts.append(truth[j])
         else:
-            drafts.append((truth[j] + 1) % _VOCAB if j < len(truth) else 0)
+            drafts.append((truth[j] + 1) % VOCAB if j < len(truth) else 0)
             drafts.extend([0] * (k - j - 1))
             break
     return drafts

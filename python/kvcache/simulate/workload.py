@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_CONVERSATIONS",
     "MAX_REQUEST_ID",
     "MAX_TOKEN_ID",
+    "VOCAB",
     "TokenArrays",
     "TraceFile",
     "TraceRequest",
@@ -72,7 +73,8 @@ DEFAULT_CONVERSATIONS = 400
 DEFAULT_MAX_SEQ_LEN = 8192
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_VOCAB = 32000
+#: Token ids of the built-in workload and of drafts lie in ``0 .. VOCAB - 1``.
+VOCAB = 32000
 _TRACE_KEYS = frozenset(
     {"request_id", "arrival", "prompt", "output", "lora_task_id", "cache_salt", "priority"}
 )
@@ -495,7 +497,7 @@ def default_workload(
         raise ValueError(f"mean_gap must be a positive number, got {mean_gap!r}")
     rng = np.random.default_rng(seed)
     systems = [
-        rng.integers(0, _VOCAB, int(rng.integers(200, 2001))).tolist()
+        rng.integers(0, VOCAB, int(rng.integers(200, 2001))).tolist()
         for _ in range(num_system_prompts)
     ]
     popularity = 1.0 / np.arange(1, num_system_prompts + 1)
@@ -509,10 +511,10 @@ def default_workload(
         for _ in range(turns):
             user_len = int(np.clip(rng.lognormal(math.log(150), 0.8), 8, 2000))
             out_len = int(np.clip(rng.lognormal(math.log(250), 0.7), 16, 1500))
-            prompt = history + rng.integers(0, _VOCAB, user_len).tolist()
+            prompt = history + rng.integers(0, VOCAB, user_len).tolist()
             if len(prompt) + out_len - 1 > max_seq_len:
                 break
-            output = rng.integers(0, _VOCAB, out_len).tolist()
+            output = rng.integers(0, VOCAB, out_len).tolist()
             raw.append((arrival, prompt, output))
             history = prompt + output
             arrival += out_len + int(rng.integers(20, 201))
