@@ -52,7 +52,7 @@ except ImportError as e:
 
 from kvcache._core import OutOfBlocksError
 from kvcache.config import KvCacheConfig, ModelConfig
-from kvcache.engine_forks import _Forks
+from kvcache.engine_forks import ForkBooks, Forks
 from kvcache.manager import KVCacheManager, KvCacheStats
 from kvcache.resource_manager import (
     KVCacheResourceManager,
@@ -570,7 +570,8 @@ class Engine:
         if num_beams > 1 or n > 1:
             eos = self._model.generation_config.eos_token_id
             eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-            forks = _Forks(self, requests, num_beams=num_beams, n=n, eos=eos_ids,
+            books = ForkBooks(self._rm, self._counters, self._new_id)
+            forks = Forks(books, requests, num_beams=num_beams, n=n, eos=eos_ids,
                            length_penalty=length_penalty, early_stopping=early_stopping,
                            generator=generator, temperature=temperature)  # fmt: skip
             return self._run_forks(forks)
@@ -597,7 +598,7 @@ class Engine:
             scores=[[] for _ in requests],
         )
 
-    def _run_forks(self, forks: _Forks) -> GenerationResult:
+    def _run_forks(self, forks: Forks) -> GenerationResult:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -606,7 +607,13 @@ class Engine:
         finally:
             forks.release()
             self._seconds += time.perf_counter() - start
-        return forks.result()
+        seqs, scores = forks.result()
+        return GenerationResult(tokens=[s[0] for s in seqs], sequences=seqs, scores=scores)
+
+    def _new_id(self) -> int:
+        """A request id no request of this engine had."""
+        self._next_id += 1
+        return self._next_id - 1
 
     @staticmethod
     def _check_fork_args(
@@ -720,7 +727,7 @@ class Engine:
         self,
         active: list[Request],
         logits: dict[int, torch.Tensor],
-        forks: _Forks | None = None,
+        forks: Forks | None = None,
     ) -> None:
         out = self._scheduler.schedule(active)
         if out.rejected:

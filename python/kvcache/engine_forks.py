@@ -18,7 +18,19 @@ from kvcache.beam_search import BeamState
 from kvcache.request import Request, RequestState
 
 if TYPE_CHECKING:
-    from kvcache.engine import Engine, GenerationResult
+    from kvcache.resource_manager import KVCacheResourceManager
+
+__all__ = ["ForkBooks", "Forks"]
+
+
+@dataclass
+class ForkBooks:
+    """What the families change of the engine that runs them, handed over explicitly: its
+    resource manager, its counters (``generated_tokens``, ``requests``) and its request ids."""
+
+    rm: KVCacheResourceManager
+    counters: dict[str, int]
+    new_id: Callable[[], int]
 
 
 # --------------------------------------------------------------------------------------
@@ -42,7 +54,7 @@ class _Family:
     done: bool = False
 
 
-class _Forks:
+class Forks:
     """The families of one :meth:`Engine.generate_detailed` call with ``num_beams`` or ``n``
     above 1: picks each step's tokens and forks and frees the sequences.
 
@@ -57,7 +69,7 @@ class _Forks:
 
     def __init__(
         self,
-        engine: Engine,
+        books: ForkBooks,
         roots: list[Request],
         *,
         num_beams: int,
@@ -68,7 +80,7 @@ class _Forks:
         generator: torch.Generator | None,
         temperature: float,
     ) -> None:
-        self._engine = engine
+        self._books = books
         self._generator = generator
         self._temperature = temperature
         self.families: list[_Family] = []
@@ -136,11 +148,8 @@ class _Forks:
         return list(seen.values())
 
     def _child(self, parent: Request, token: int) -> Request:
-        engine = self._engine
-        child = Request(engine._next_id, list(parent.prompt), parent.max_new_tokens,
-                        generated=[*parent.generated[:-1], token])  # fmt: skip
-        engine._next_id += 1
-        return child
+        return Request(self._books.new_id(), list(parent.prompt), parent.max_new_tokens,
+                       generated=[*parent.generated[:-1], token])  # fmt: skip
 
     def _beam_step(self, fam: _Family) -> Callable[[], None]:
         """Scores a family whose beams all have their logits; records each kept beam's
@@ -149,7 +158,7 @@ class _Forks:
         rows = torch.stack([fam.pending[r.request_id] for r in fam.rows])
         fam.pending.clear()
         decided = fam.beam.step(rows)
-        self._engine._counters["generated_tokens"] += len(fam.rows)
+        self._books.counters["generated_tokens"] += len(fam.rows)
         kept: dict[int, Request] = {}
         forks: dict[int, list[Request]] = {}
         new_rows: list[Request] = []
@@ -168,7 +177,7 @@ class _Forks:
         fam.rows = new_rows
 
         def reorder() -> None:
-            rm = self._engine._rm
+            rm = self._books.rm
             for r in pruned:  # first: their blocks serve the forks' copies
                 rm.free_resources(r, store_for_reuse=False)
                 self.active.remove(r)
@@ -189,7 +198,7 @@ class _Forks:
         first = not fam.samples
         draws = torch.multinomial(logp.exp(), fam.n if first else 1, replacement=True,
                                   generator=self._generator).tolist()  # fmt: skip
-        self._engine._counters["generated_tokens"] += len(draws)
+        self._books.counters["generated_tokens"] += len(draws)
         r.append_tokens([draws[0]])
         if not first:
             fam.logprob[r.request_id] += float(logp[draws[0]])
@@ -206,7 +215,7 @@ class _Forks:
                     c.state = RequestState.FINISHED
                 self._maybe_end(fam, r)
                 return
-            self._engine._rm.fork_resources(r, children)
+            self._books.rm.fork_resources(r, children)
             self.active += children
 
         return [fork]
@@ -214,34 +223,34 @@ class _Forks:
     def _maybe_end(self, fam: _Family, r: Request) -> None:
         if not r.is_finished:
             return
-        if self._engine._rm.has_request(r):
-            self._engine._rm.free_resources(r)
-            self._engine._counters["requests"] += 1
+        if self._books.rm.has_request(r):
+            self._books.rm.free_resources(r)
+            self._books.counters["requests"] += 1
         if r in self.active:
             self.active.remove(r)
         fam.done = all(s.is_finished for s in fam.samples)
 
     def _end(self, fam: _Family) -> None:
         """The search ended: frees the running beams (the best one stored for reuse)."""
-        rm = self._engine._rm
+        rm = self._books.rm
         for i, r in enumerate(self._live(fam)):
             if rm.has_request(r):
                 rm.free_resources(r, store_for_reuse=i == 0)
             if r in self.active:
                 self.active.remove(r)
         fam.done = True
-        self._engine._counters["requests"] += 1
+        self._books.counters["requests"] += 1
 
     def release(self) -> None:
         """After an error: frees whatever is still registered."""
-        rm = self._engine._rm
+        rm = self._books.rm
         for r in self.active:
             if rm.has_request(r):
                 rm.free_resources(r, store_for_reuse=False)
 
-    def result(self) -> GenerationResult:
-        from kvcache.engine import GenerationResult
-
+    def result(self) -> tuple[list[list[list[int]]], list[list[float]]]:
+        """Every family's outputs (finished beams best first, or samples in order) and
+        their scores, in prompt order."""
         seqs: list[list[list[int]]] = []
         scores: list[list[float]] = []
         for fam in self.families:
@@ -252,4 +261,4 @@ class _Forks:
             else:
                 seqs.append([list(s.generated) for s in fam.samples])
                 scores.append([fam.logprob[s.request_id] for s in fam.samples])
-        return GenerationResult(tokens=[s[0] for s in seqs], sequences=seqs, scores=scores)
+        return seqs, scores
