@@ -46,15 +46,15 @@ from kvcache.generate_cli import (  # imports no torch: --help works without it
 )
 from kvcache.models import list_models, load_model
 from kvcache.plan_report import (
-    _DEFAULT_TOKENS_PER_BLOCK,
+    DEFAULT_TOKENS_PER_BLOCK,
     PlanRow,
     PolicyPlan,
-    _joined,
-    _one_sequence,
-    _plan_json,
-    _render_plan,
-    _too_small,
+    joined,
     make_plan,
+    one_sequence,
+    plan_json,
+    render_plan,
+    too_small,
 )
 from kvcache.sizing import (
     format_size,
@@ -153,11 +153,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     dtype_choice = args.kv_cache_dtype
     caps = [c for c in (args.max_chunk_size, args.max_num_batched_tokens) if c is not None]
     chunk = None if args.no_chunked_prefill else min(caps)
-    need, per_window = _one_sequence(
+    need, per_window = one_sequence(
         preset, max_seq_len, tpb, dtype_choice, chunk, args.max_draft_tokens
     )
     if memory < need:
-        raise ValueError(_too_small(args, preset, memory, need, per_window, max_seq_len, chunk))
+        raise ValueError(too_small(args, preset, memory, need, per_window, max_seq_len, chunk))
     plan = make_plan(
         preset,
         memory,
@@ -182,9 +182,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "exactly: " + per_window + "); give more --memory or a shorter --max-seq-len"
         )
     if args.json:
-        print(json.dumps(_plan_json(plan), indent=2))
+        print(json.dumps(plan_json(plan), indent=2))
     else:
-        _render_plan(plan, sys.stdout)
+        render_plan(plan, sys.stdout)
     return 0
 
 
@@ -230,8 +230,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
                 f"{m.state_bytes_per_sequence():,} state B/seq"
             )
         print(
-            f"{p.name:<{width}} {m.num_layers:>6} {_joined(m.kv_heads_per_layer()):>8} "
-            f"{_joined(m.head_dim_per_layer()):>8} {_joined(m.dtype_per_layer()):<9} "
+            f"{p.name:<{width}} {m.num_layers:>6} {joined(m.kv_heads_per_layer()):>8} "
+            f"{joined(m.head_dim_per_layer()):>8} {joined(m.dtype_per_layer()):<9} "
             f"{p.max_context:>8,} {per_token:>11,}  {windows}"
         )
     return 0
@@ -435,8 +435,8 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
     p_plan.add_argument(
         "--tokens-per-block",
         type=_positive_int32,
-        default=_DEFAULT_TOKENS_PER_BLOCK,
-        help=f"tokens per KV block (default {_DEFAULT_TOKENS_PER_BLOCK})",
+        default=DEFAULT_TOKENS_PER_BLOCK,
+        help=f"tokens per KV block (default {DEFAULT_TOKENS_PER_BLOCK})",
     )
     p_plan.add_argument(
         "--shares", type=_shares, default=None, help="an extra share list to compare, e.g. 0.2,0.8"
@@ -549,7 +549,7 @@ def _build_parser(notes: list[str] | None = None) -> argparse.ArgumentParser:
         "--tokens-per-block",
         type=_positive_int32,
         default=None,
-        help=f"tokens per KV block (default {_DEFAULT_TOKENS_PER_BLOCK})",
+        help=f"tokens per KV block (default {DEFAULT_TOKENS_PER_BLOCK})",
     )
     add_scheduler_option(p_sim)
     p_sim.add_argument(
@@ -746,8 +746,9 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.filterwarnings("ignore", message="max_attention_window", module="kvcache")
             status = int(args.func(args))
         # After the run: a wrong share count is an error that says more.
-        for note in _shares_notes(shares_flag, shares) if shares_flag else []:
-            print(f"{prog}: {note}", file=sys.stderr)
+        if shares is not None:
+            for note in _shares_notes(shares_flag, shares):
+                print(f"{prog}: {note}", file=sys.stderr)
         return status
     except SystemExit as e:  # --help and --version
         return e.code if isinstance(e.code, int) else 0

@@ -253,7 +253,7 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def _check_endpoint(name: str, endpoint: object) -> None:
+def check_endpoint(name: str, endpoint: object) -> None:
     """ValueError unless ``endpoint`` looks like a ZeroMQ address (``scheme://address``)."""
     if not isinstance(endpoint, str) or not _ENDPOINT.match(endpoint):
         raise ValueError(
@@ -595,9 +595,9 @@ class ZmqEventPublisher(EventBatcher):
             )
         if not isinstance(topic, str):
             raise ValueError(f"topic must be a str, got {topic!r}")
-        _check_endpoint("endpoint", endpoint)
+        check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
-            _check_endpoint("replay_endpoint", replay_endpoint)
+            check_endpoint("replay_endpoint", replay_endpoint)
         pub_endpoint = str(offset_endpoint_port(endpoint, data_parallel_rank))
         replay_at = offset_endpoint_port(replay_endpoint, data_parallel_rank)
 

@@ -24,12 +24,20 @@ from kvcache.sizing import (
     peak_blocks_per_sequence,
 )
 
-__all__ = ["PlanRow", "PolicyPlan", "make_plan"]
+__all__ = [
+    "DEFAULT_TOKENS_PER_BLOCK",
+    "PlanRow",
+    "PolicyPlan",
+    "joined",
+    "make_plan",
+    "one_sequence",
+    "plan_json",
+    "render_plan",
+    "too_small",
+]
 
 #: ``--tokens-per-block``'s default.
-_DEFAULT_TOKENS_PER_BLOCK = 32
-
-_DEFAULT_TOKENS_PER_BLOCK = 32
+DEFAULT_TOKENS_PER_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -198,7 +206,7 @@ def _dtype_text(choice: str | Mapping[int | str | None, str] | None) -> str | No
     return ",".join(f"{'full' if k is None else k}={v}" for k, v in choice.items())
 
 
-def _joined(values: Sequence[object]) -> str:
+def joined(values: Sequence[object]) -> str:
     """Distinct values in first-seen order, ``/``-separated."""
     return "/".join(str(v) for v in dict.fromkeys(values))
 
@@ -241,8 +249,8 @@ def _policy_plan(
                 tokens=primary * tpb,
                 blocks_per_sequence=per_seq,
                 max_sequences=0 if primary < peak else 1 + (primary - peak) // per_seq,
-                dtype=_joined([dtypes[i] for i in layers]),
-                head_dim=_joined([head_dims[i] for i in layers]),
+                dtype=joined([dtypes[i] for i in layers]),
+                head_dim=joined([head_dims[i] for i in layers]),
                 saved_per_sequence=per_seq * tpb * (own_bpt[w] - bpt[w]),
                 peak_blocks=peak,
                 limited_by=limited_by,
@@ -252,7 +260,7 @@ def _policy_plan(
     return PolicyPlan(name, tuple(rows), limiting.max_sequences, limiting.window)
 
 
-def _render_plan(plan: dict[str, Any], out: TextIO) -> None:
+def render_plan(plan: dict[str, Any], out: TextIO) -> None:
     preset: ModelPreset = plan["model"]
     m = preset.model
     n = plan["max_seq_len"]
@@ -356,11 +364,11 @@ def _distinct_tables(
 def _shape_text(m: ModelConfig) -> str:
     """``16 KV heads x 128, bfloat16``, or per window kind where the layers differ."""
     heads, dims, dtypes = m.kv_heads_per_layer(), m.head_dim_per_layer(), m.dtype_per_layer()
-    shapes = _joined([f"{h} KV heads x {d}" for h, d in zip(heads, dims, strict=True)])
-    return f"{shapes.replace('/', ' or ')}, {_joined(dtypes)}"
+    shapes = joined([f"{h} KV heads x {d}" for h, d in zip(heads, dims, strict=True)])
+    return f"{shapes.replace('/', ' or ')}, {joined(dtypes)}"
 
 
-def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
+def plan_json(plan: dict[str, Any]) -> dict[str, Any]:
     def policy(p: PolicyPlan) -> dict[str, Any]:
         return {
             "policy": p.policy,
@@ -384,7 +392,7 @@ def _plan_json(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _one_sequence(
+def one_sequence(
     preset: ModelPreset,
     max_seq_len: int,
     tpb: int,
@@ -409,7 +417,7 @@ def _one_sequence(
     return need, text
 
 
-def _too_small(
+def too_small(
     args: argparse.Namespace,
     preset: ModelPreset,
     memory: int,
@@ -425,11 +433,11 @@ def _too_small(
         f"{format_size(memory)} cannot hold one sequence of {max_seq_len:,} tokens of "
         f"{preset.name}: one needs {format_size(need)} ({per_window})"
     )
-    if tpb > _DEFAULT_TOKENS_PER_BLOCK:
-        small, _ = _one_sequence(
+    if tpb > DEFAULT_TOKENS_PER_BLOCK:
+        small, _ = one_sequence(
             preset,
             max_seq_len,
-            _DEFAULT_TOKENS_PER_BLOCK,
+            DEFAULT_TOKENS_PER_BLOCK,
             args.kv_cache_dtype,
             chunk,
             args.max_draft_tokens,
@@ -438,7 +446,7 @@ def _too_small(
             return (
                 f"{head}: the block size is the problem: every block holds "
                 f"--tokens-per-block {tpb:,} tokens' worth of memory however few the window "
-                f"keeps, and with {_DEFAULT_TOKENS_PER_BLOCK} (the default) one needs only "
+                f"keeps, and with {DEFAULT_TOKENS_PER_BLOCK} (the default) one needs only "
                 f"{format_size(small)}; give a smaller --tokens-per-block"
             )
     return f"{head}; give more --memory or a shorter --max-seq-len"

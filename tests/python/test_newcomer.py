@@ -69,10 +69,10 @@ def test_simulate_help_has_a_description_and_defaults() -> None:
 
 
 def test_simulate_help_defaults_are_the_defaults_used() -> None:
-    from kvcache.plan_report import _DEFAULT_TOKENS_PER_BLOCK
+    from kvcache.plan_report import DEFAULT_TOKENS_PER_BLOCK
     from kvcache.simulate import DEFAULT_MAX_BATCH_SIZE
 
-    assert (DEFAULT_MAX_BATCH_SIZE, _DEFAULT_TOKENS_PER_BLOCK) == (128, 32)
+    assert (DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKENS_PER_BLOCK) == (128, 32)
 
 
 def test_plan_help_has_a_description_and_defaults() -> None:
@@ -459,11 +459,6 @@ def test_compare_routers_gives_mean_latency_in_steps() -> None:
     assert len(row.split()) == 6  # and one value per router
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="simulate/fleet.py's engine table header reads 'peak latency (steps)': the "
-    "'mean' of 'mean latency' was dropped, so the latency column looks like the peak's",
-)
 def test_fleet_engine_table_gives_mean_latency_in_steps() -> None:
     proc = kvcache_run("simulate", *QUIET, "--engines", "2", "--router", "round-robin")
     assert proc.returncode == 0, proc.stderr
