@@ -17,7 +17,7 @@ from typing import Any, SupportsIndex
 
 from kvcache import _core
 from kvcache.config import KvCacheConfig, ModelConfig
-from kvcache.fields import optional_int
+from kvcache.fields import check_type, optional_int
 from kvcache.hashing import key_kwargs
 from kvcache.sizing import blocks_per_window as _blocks_per_window
 from kvcache.sizing import pool_shares as _pool_shares
@@ -200,10 +200,8 @@ class KVCacheEvent:
 
 def _check_types(model: object, config: object) -> None:
     """TypeError unless ``model`` is a ModelConfig and ``config`` a KvCacheConfig."""
-    if not isinstance(model, ModelConfig):
-        raise TypeError(f"model must be a kvcache.ModelConfig, got {type(model).__name__}")
-    if not isinstance(config, KvCacheConfig):
-        raise TypeError(f"config must be a kvcache.KvCacheConfig, got {type(config).__name__}")
+    check_type("model", model, ModelConfig)
+    check_type("config", config, KvCacheConfig)
 
 
 def _native_kwargs(

@@ -655,7 +655,7 @@ class ZmqEventSubscriber:
     ) -> None:
         import zmq
 
-        from kvcache.events import _check_endpoint
+        from kvcache.events import check_endpoint
 
         if not isinstance(indexer, KvIndexer):
             raise ValueError(f"indexer must be a KvIndexer, got {indexer!r:.60}")
@@ -666,9 +666,9 @@ class ZmqEventSubscriber:
                 raise ValueError(
                     f"engine {engine_id!r}: expected (endpoint, replay_endpoint), got {ends!r}"
                 )
-            _check_endpoint("endpoint", ends[0])
+            check_endpoint("endpoint", ends[0])
             if ends[1] is not None:
-                _check_endpoint("replay_endpoint", ends[1])
+                check_endpoint("replay_endpoint", ends[1])
         if not isinstance(replay_timeout_s, int | float) or replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0, got {replay_timeout_s!r}")
         if not isinstance(catch_up_s, int | float) or catch_up_s <= 0:

@@ -717,7 +717,7 @@ BAD_CALLS: list[Row] = [
         "get_cache_block_ids-bad-window-name",
         lambda m: m.get_cache_block_ids(1, "sliding"),
         ValueError,
-        "window_size must be one of this manager's windows \\[8, 64\\], or None / \"full\"",
+        'window_size must be one of this manager\'s windows \\[8, 64\\], or None / "full"',
     ),
     ("num_tokens-unknown", lambda m: m.num_tokens(9), KeyError, "unknown request id 9"),
     # recurrent state (this manager has none)
