@@ -1,8 +1,17 @@
 """kvcache: a KV cache manager for LLM inference engines with variable sliding windows.
 
 The native core (``kvcache._core``) keeps one block pool per attention window size, writes
-every window linearly and releases blocks that left a sliding window. This package adds
-configuration, memory sizing per window and the ``KVCacheManager`` facade.
+every window linearly and releases blocks that left a sliding window. The package is laid out
+in rooms by job, each importing only the rooms before it:
+
+* :mod:`kvcache.cache`: the manager API (configuration, sizing, ``KVCacheManager``, block keys);
+* :mod:`kvcache.serving`: the serving step (requests, the scheduler, the resource manager);
+* :mod:`kvcache.fleet`: events, the router index and the shared tier (``kvcache[events]``);
+* :mod:`kvcache.reference`: the reference engine and the torch bridge (``kvcache[torch]``);
+* :mod:`kvcache.simulate` and :mod:`kvcache.cli`: the command line and its simulations.
+
+The documented import paths (``kvcache.config``, ``kvcache.events``, ``kvcache.engine``, ...)
+are the same module objects as the rooms' modules.
 """
 
 # No ``from __future__ import annotations`` here: it would leave the name ``annotations`` in
@@ -15,9 +24,9 @@ from kvcache._core import (
     OutOfBlocksError,
     PreparedPrompt,
 )
-from kvcache.config import KvCacheConfig, ModelConfig, StateTensor
-from kvcache.hashing import block_hashes
-from kvcache.manager import (
+from kvcache.cache.block_keys import block_hashes
+from kvcache.cache.config import KvCacheConfig, ModelConfig, StateTensor
+from kvcache.cache.manager import (
     NULL_BLOCK,
     OFFSET_SENTINEL,
     KVCacheEvent,
@@ -26,10 +35,7 @@ from kvcache.manager import (
     available_memory_bytes,
     cuda_available,
 )
-from kvcache.models import list_models, load_model
-from kvcache.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
-from kvcache.scheduler import CapacityScheduler
-from kvcache.sizing import (
+from kvcache.cache.sizing import (
     blocks_per_window,
     bytes_per_token,
     format_size,
@@ -37,6 +43,9 @@ from kvcache.sizing import (
     window_size_shares,
     window_sizes,
 )
+from kvcache.models import list_models, load_model
+from kvcache.serving.resource_manager import KVCacheResourceManager, Request, ScheduledBatch
+from kvcache.serving.scheduler import CapacityScheduler
 
 __version__ = "0.1.0"
 
@@ -77,12 +86,17 @@ __all__ = [
 #: Submodules documented as import paths; ``dir(kvcache)`` lists those already imported.
 _PUBLIC_SUBMODULES = frozenset(
     {
+        "cache",
+        "cli",
         "distributed",
         "engine",
         "events",
+        "fleet",
         "models",
+        "reference",
         "router",
         "scheduler",
+        "serving",
         "shared_cache",
         "simulate",
         "sizing",

@@ -178,7 +178,7 @@ def test_help_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unexpected_failure_is_one_line_with_status_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import kvcache.cli as cli
+    import kvcache.cli.commands as cli
 
     def boom(args: object) -> int:
         raise TypeError("something broke\nsecond line")

@@ -247,7 +247,7 @@ def test_cli_fleet_errors(args: list[str], message: str) -> None:
 
 
 def test_cli_knows_the_fleets_routers_and_bound() -> None:
-    from kvcache import cli
+    from kvcache.cli import commands as cli
     from kvcache.simulate import fleet
 
     assert cli._MAX_ENGINES == fleet.MAX_ENGINES

@@ -101,9 +101,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_checks_see_the_package() -> None:
-    assert {"kvcache", "kvcache.manager", "kvcache.simulate.loop"} <= set(MODULES)
+    assert {"kvcache", "kvcache.cache.manager", "kvcache.simulate.loop"} <= set(MODULES)
     graph = _graph()
-    assert "kvcache.manager" in graph["kvcache.resource_manager"]
+    assert "kvcache.cache.manager" in graph["kvcache.serving.resource_manager"]
+    assert graph["kvcache.engine"] == {"kvcache.reference.engine"}  # a documented path
+    assert (_room("kvcache.engine"), _room("kvcache.fleet.router")) == ("kvcache", "fleet")
     assert "kvcache.simulate.fleet" in graph["kvcache.simulate.command"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -125,8 +127,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
 @pytest.mark.parametrize(
     ("module", "names"),
     [
-        ("kvcache.fields", ["check_type", "MAX_TOKEN", "optional_int", "positive_int"]),
-        ("kvcache.hashing", ["block_hashes", "key_kwargs"]),
+        ("kvcache.cache.fields", ["check_type", "MAX_TOKEN", "optional_int", "positive_int"]),
+        ("kvcache.cache.block_keys", ["block_hashes", "key_kwargs"]),
         ("kvcache.simulate.options", ["EngineOptions", "engine_options"]),
     ],
 )
@@ -142,3 +144,41 @@ def test_shared_helpers_are_public_where_they_live(module: str, names: list[str]
         if isinstance(t, ast.Name)
     }
     assert set(names) <= defined
+
+
+#: The rooms in layers: a module may import its own room, the package's top-level modules
+#: and the rooms of lower layers only (the arrows of docs/design.md).
+LAYERS = [
+    {"cache"},
+    {"models", "serving"},
+    {"fleet", "reference"},
+    {"simulate", "vllm"},
+    {"cli"},
+]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if (
+        len(parts) == 2
+        and f"kvcache.{parts[1]}" in MODULES
+        and not (PACKAGE / parts[1] / "__init__.py").exists()
+    ):
+        return "kvcache"  # a top-level module: the package API or a documented path
+    return parts[1] if len(parts) > 1 else "kvcache"
+
+
+def test_rooms_import_only_lower_layers() -> None:
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    rooms = {_room(m) for m in MODULES} - {"kvcache"}
+    assert rooms == set(layer)  # every room has its place
+    bad = []
+    for name, targets in _graph().items():
+        here = _room(name)
+        for target in targets:
+            there = _room(target)
+            if here == "kvcache" or there in ("kvcache", here):
+                continue
+            if layer[there] >= layer[here]:
+                bad.append(f"{name} -> {target}")
+    assert bad == []

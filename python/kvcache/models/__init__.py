@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvcache.config import KvCacheConfig, ModelConfig
+from kvcache.cache.config import KvCacheConfig, ModelConfig
 
 __all__ = ["LAYER_KINDS", "ModelPreset", "list_models", "load_model"]
 

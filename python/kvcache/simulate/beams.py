@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcache.manager import KVCacheManager
+from kvcache.cache.manager import KVCacheManager
+from kvcache.cache.sizing import window_sizes
 from kvcache.models import ModelPreset
 from kvcache.simulate.workload import TraceRequest
-from kvcache.sizing import window_sizes
 
 __all__ = ["BeamFootprint", "beam_footprint", "format_beam_footprint"]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvcache.hashing import block_hashes
+from kvcache.cache.block_keys import block_hashes
 from kvcache.simulate.workload import TokenArrays, TraceFile, TraceRequest
 
 __all__ = [

@@ -3,7 +3,7 @@
 Everything that can be wrong with the command line (flag combinations, model, shares and
 the share environment variables, output paths, matplotlib, the trace, the sizing) is
 checked before the first simulated step, so a mistake costs no waiting and never leaves a
-half-written file. Errors are ``ValueError`` with one line of text; :mod:`kvcache.cli`
+half-written file. Errors are ``ValueError`` with one line of text; :mod:`kvcache.cli.commands`
 prints it and exits with status 2.
 """
 
@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcache._extras import install_hint
-from kvcache.config import SHARE_POLICIES
+from kvcache.cache.config import SHARE_POLICIES
+from kvcache.cache.sizing import format_size, parse_size, resolve_share_policy, window_sizes
 from kvcache.models import ModelPreset, load_model
-from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvcache.simulate.beams import beam_footprint, format_beam_footprint
 from kvcache.simulate.bounds import key_trace
 from kvcache.simulate.fleet import (
@@ -54,7 +55,6 @@ from kvcache.simulate.workload import (
     TraceRequest,
     default_workload,
 )
-from kvcache.sizing import format_size, parse_size, resolve_share_policy, window_sizes
 
 __all__ = ["check_output_path", "run_cli"]
 
@@ -337,7 +337,7 @@ def _engine_options(args: argparse.Namespace, model: ModelPreset | None = None) 
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Runs ``kvcache simulate`` from parsed arguments (see :mod:`kvcache.cli`).
+    """Runs ``kvcache simulate`` from parsed arguments (see :mod:`kvcache.cli.commands`).
 
     ``args.memory`` and ``args.host_cache`` are byte counts (or ``None``), ``args.shares``
     a parsed policy (or ``None``); integers are already range-checked.

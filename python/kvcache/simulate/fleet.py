@@ -35,7 +35,8 @@ from typing import Any, TextIO, cast
 import numpy as np
 
 from kvcache._extras import install_hint
-from kvcache.resource_manager import Request
+from kvcache.cache.sizing import format_size
+from kvcache.serving.resource_manager import Request
 from kvcache.simulate.loop import (
     ProgressBar,
     SimulatedEngine,
@@ -45,7 +46,6 @@ from kvcache.simulate.loop import (
 from kvcache.simulate.options import EngineOptions, engine_options
 from kvcache.simulate.report import SimulationReport
 from kvcache.simulate.workload import TraceRequest
-from kvcache.sizing import format_size
 
 __all__ = [
     "MAX_ENGINES",
@@ -129,8 +129,8 @@ class _KvRoute:
 
     def __init__(self, engines: Sequence[SimulatedEngine]) -> None:
         try:
-            from kvcache.events import EventBatcher
-            from kvcache.router import KvIndexer
+            from kvcache.fleet.events import EventBatcher
+            from kvcache.fleet.router import KvIndexer
         except ImportError as e:
             raise ImportError(
                 f"the kv router needs the events extra: {install_hint('events')} ({e})"

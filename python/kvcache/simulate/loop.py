@@ -19,11 +19,18 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvcache.config import KvCacheConfig
-from kvcache.manager import KVCacheManager
+from kvcache.cache.config import KvCacheConfig
+from kvcache.cache.manager import KVCacheManager
+from kvcache.cache.sizing import (
+    blocks_per_window,
+    bytes_per_token,
+    format_size,
+    parse_size,
+    resolve_share_policy,
+)
 from kvcache.models import ModelPreset, load_model
-from kvcache.resource_manager import KVCacheResourceManager, Request, RequestState
-from kvcache.scheduler import CapacityScheduler
+from kvcache.serving.resource_manager import KVCacheResourceManager, Request, RequestState
+from kvcache.serving.scheduler import CapacityScheduler
 from kvcache.simulate.bounds import KeyTrace, RunRecord, analyze_run
 from kvcache.simulate.bounds import key_trace as make_key_trace
 from kvcache.simulate.options import (
@@ -35,13 +42,6 @@ from kvcache.simulate.options import (
 )
 from kvcache.simulate.report import SimulationReport, WindowReport
 from kvcache.simulate.workload import VOCAB, TraceFile, TraceRequest
-from kvcache.sizing import (
-    blocks_per_window,
-    bytes_per_token,
-    format_size,
-    parse_size,
-    resolve_share_policy,
-)
 
 __all__ = [
     "BOOKKEEPING_BYTES_PER_BLOCK",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache.models import ModelPreset
-from kvcache.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.serving.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcache.cache.sizing import format_size
 from kvcache.simulate.report import SimulationReport
-from kvcache.sizing import format_size
 
 __all__ = ["check_plot_path", "plot_reports"]
 

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvcache.cache.sizing import format_size
 from kvcache.simulate.bounds import HitBounds
-from kvcache.sizing import format_size
 
 __all__ = [
     "SimulationReport",

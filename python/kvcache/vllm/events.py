@@ -21,7 +21,7 @@ from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
 )
 
 from kvcache import KVCacheManager
-from kvcache.events import EventBatcher, WireSchema
+from kvcache.fleet.events import EventBatcher, WireSchema
 from kvcache.vllm.layout import GroupLayout
 
 VLLM_SCHEMA = WireSchema(BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch, False)

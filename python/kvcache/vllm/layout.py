@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.config import KvCacheConfig, ModelConfig
-from kvcache.manager import KVCacheManager
-from kvcache.sizing import blocks_per_window, resolve_share_policy
+from kvcache.cache.config import KvCacheConfig, ModelConfig
+from kvcache.cache.manager import KVCacheManager
+from kvcache.cache.sizing import blocks_per_window, resolve_share_policy
 
 #: Bytes of one page in the model kvcache sizes vLLM's pages with: one KV head of size one in
 #: float32, per token (``kv_factor`` 2). Only the ratio of the budget to a page matters.

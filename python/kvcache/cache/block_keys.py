@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcache import _core
-from kvcache.fields import optional_int
+from kvcache.cache.fields import optional_int
 
 __all__ = ["block_hashes", "key_kwargs"]
 

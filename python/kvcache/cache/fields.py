@@ -1,5 +1,5 @@
 """Argument checks, in one place: the field checks and the dtype table of the configuration
-classes (``kvcache.config``, ``kvcache.state_spec``) and the argument checks of the manager,
+classes (``kvcache.config``, ``kvcache.cache.state_spec``) and the argument checks of the manager,
 the resource manager, the scheduler and the engine. Each check raises ``ValueError`` naming the
 argument (``TypeError`` for an object of the wrong class); bools are never accepted as ints."""
 

@@ -14,15 +14,15 @@ from fractions import Fraction
 from typing import Any
 
 from kvcache import _core as _block_math
-from kvcache.config import (
+from kvcache.cache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
     KvCacheConfig,
     ModelConfig,
 )
-from kvcache.fields import check_share_values as _check_share_values
-from kvcache.fields import parse_share_text as _parse_share_text
-from kvcache.units import format_size
+from kvcache.cache.fields import check_share_values as _check_share_values
+from kvcache.cache.fields import parse_share_text as _parse_share_text
+from kvcache.cache.units import format_size
 
 __all__ = [
     "SHARES_ENV_VAR",

@@ -171,13 +171,13 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from kvcache.engine import Engine, tiny_config, tiny_model
+        from kvcache.reference.engine import Engine, tiny_config, tiny_model
     except ImportError as e:
         raise ValueError(
             "kvcache generate needs torch and transformers: pip install 'kvcache[torch]' "
             f"(in a source checkout: pip install '.[torch]'); {e}"
         ) from None
-    from kvcache.config import KvCacheConfig
+    from kvcache.cache.config import KvCacheConfig
 
     _check_device(torch, args.device)
     if args.system_prompt_len < 0:

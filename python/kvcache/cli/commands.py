@@ -35,17 +35,22 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, NoReturn
 
-from kvcache.config import (
+from kvcache.cache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
     KvCacheConfig,
 )
-from kvcache.generate_cli import (  # imports no torch: --help works without it
+from kvcache.cache.sizing import (
+    format_size,
+    parse_size,
+    resolve_share_policy,
+    window_sizes,
+)
+from kvcache.cli.generate import (  # imports no torch: --help works without it
     add_arguments,
     add_scheduler_option,
 )
-from kvcache.models import list_models, load_model
-from kvcache.plan_report import (
+from kvcache.cli.plan import (
     DEFAULT_TOKENS_PER_BLOCK,
     PlanRow,
     PolicyPlan,
@@ -56,12 +61,7 @@ from kvcache.plan_report import (
     render_plan,
     too_small,
 )
-from kvcache.sizing import (
-    format_size,
-    parse_size,
-    resolve_share_policy,
-    window_sizes,
-)
+from kvcache.models import list_models, load_model
 
 __all__ = ["MAX_SIZE_BYTES", "PlanRow", "PolicyPlan", "main", "make_plan"]
 
@@ -254,7 +254,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvcache.generate_cli import run_cli  # imports torch and transformers
+    from kvcache.cli.generate import run_cli  # imports torch and transformers
 
     return run_cli(args)
 
@@ -783,7 +783,3 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

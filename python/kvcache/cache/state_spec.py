@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.fields import (
+from kvcache.cache.fields import (
     DTYPE_BYTES,
     as_int,
     choice,

@@ -14,11 +14,11 @@ try:
 except ImportError as e:
     raise missing_extra("kvcache.engine_forks", "torch", e) from None
 
-from kvcache.beam_search import BeamState
-from kvcache.request import Request, RequestState
+from kvcache.reference.beam_search import BeamState
+from kvcache.serving.request import Request, RequestState
 
 if TYPE_CHECKING:
-    from kvcache.resource_manager import KVCacheResourceManager
+    from kvcache.serving.resource_manager import KVCacheResourceManager
 
 __all__ = ["ForkBooks", "Forks"]
 

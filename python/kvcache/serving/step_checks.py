@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvcache._core import OutOfBlocksError
-from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState
+from kvcache.cache.manager import KVCacheManager
+from kvcache.serving.request import Request, RequestState
 
 __all__ = ["StepChecks"]
 

@@ -1,5 +1,5 @@
 """``kvcache plan``'s computation and rendering: per window and share policy, the blocks,
-concurrency and what limits them (the command line is :mod:`kvcache.cli`)."""
+concurrency and what limits them (the command line is :mod:`kvcache.cli.commands`)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from kvcache.config import (
+from kvcache.cache.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     SHARE_POLICIES,
     KvCacheConfig,
     ModelConfig,
 )
-from kvcache.models import ModelPreset
-from kvcache.sizing import (
+from kvcache.cache.sizing import (
     blocks_per_window,
     bytes_per_token,
     format_size,
     max_blocks_per_sequence,
     peak_blocks_per_sequence,
 )
+from kvcache.models import ModelPreset
 
 __all__ = [
     "DEFAULT_TOKENS_PER_BLOCK",

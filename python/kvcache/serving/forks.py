@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcache.families import join_family
-from kvcache.fields import check_type
-from kvcache.manager import KVCacheManager
-from kvcache.request import Request, RequestState
+from kvcache.cache.fields import check_type
+from kvcache.cache.manager import KVCacheManager
+from kvcache.serving.families import join_family
+from kvcache.serving.request import Request, RequestState
 
 __all__ = ["ForkResources"]
 
