@@ -496,14 +496,16 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
                         f"accepted[{k}] = {a}: request {request.request_id} verified {d} "
                         "draft tokens this step"
                     )
-        elif gen and max(gen, key=itemgetter(1))[1]:
-            counts = [0] * len(gen)  # drafts verified, none accepted: all rewound
         note = self._gen_ran
         if note is not None and note[0] is gen and gen == note[1]:
-            requests, ids = note[4], note[2]  # the entries prepare_resources ran, unchanged
+            # The entries prepare_resources ran, unchanged, and their most drafts.
+            requests, ids, most_drafts = note[4], note[2], note[3]
         else:
             requests = [r for r, _ in gen]
             ids = [r.request_id for r in requests]
+            most_drafts = max(map(itemgetter(1), gen), default=0)
+        if accepted is None and most_drafts:
+            counts = [0] * len(gen)  # drafts verified, none accepted: all rewound
         generated = list(map(_GENERATED, requests))
         done: list[Request] = []
         if counts is None:
@@ -547,9 +549,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         for request in last:
             request.state = finished
         done += last
-        # With drafts verified, every generation entry rewinds or not; without, update reads
-        # the requests (one may hold drafts the batch did not verify: they are dropped).
-        self._update(batch, True if counts is not None else None)
+        # With drafts verified, every generation entry rewinds or not; without, a request may
+        # still hold drafts the batch did not verify: update drops them.
+        self._update(batch, True if counts is not None else any(map(_DRAFTS, requests)))
         for request in done:
             self.free_resources(request, store_for_reuse=store_for_reuse)
         return done
@@ -597,10 +599,9 @@ class KVCacheResourceManager(ResourceEstimates, StepChecks, ForkResources):
         requests, bases = note[4], note[5]
         if bases is None:
             return False
-        generation = RequestState.GENERATION
-        gens = [r.generated for r in requests if r.state is generation]  # one pass for both
-        if len(gens) != len(requests):
+        if list(map(_STATE, requests)).count(RequestState.GENERATION) != len(requests):
             return False
+        gens = list(map(_GENERATED, requests))
         return int(self._manager._add_generated(note[2], gens, bases)) < 0
 
     def _register(self, request: Request) -> None:
@@ -674,32 +675,35 @@ _GenerationNote = tuple[
 
 
 _GENERATED = attrgetter("generated")
+_DRAFTS = attrgetter("draft_tokens")
+_STATE = attrgetter("state")
 
 
 def _token_list(name: str, values: Sequence[int] | np.ndarray, size: int) -> list[int]:
     """``values`` as a list of Python ints, checked once for the whole batch: ``size``
-    integers (not bools), each below ``2**31``."""
+    integers (not bools), each below ``2**31``. A list of ints is checked without numpy."""
     if len(values) != size:
         raise ValueError(f"{name} has {len(values)} entries, the batch {size}: give one per entry")
     if not size:
         return []
-    arr = np.asarray(values)
-    if (
-        arr.ndim != 1
-        or arr.dtype.kind not in "iu"
-        or (not isinstance(values, np.ndarray) and bool in set(map(type, values)))
-    ):
-        if arr.dtype.kind in "iu" and arr.ndim == 1:
-            k = next(i for i, v in enumerate(values) if isinstance(v, bool))
-            raise ValueError(f"{name}[{k}] = {values[k]!r} is a bool, not a token id")
-        raise ValueError(
-            f"{name} must be a 1-D sequence or array of integers, got "
-            + (f"{arr.ndim}-D" if arr.ndim != 1 else f"dtype {arr.dtype}")
-        )
-    if int(arr.max()) >= MAX_TOKEN:
-        k = int(np.argmax(arr >= MAX_TOKEN))
-        raise ValueError(f"{name}[{k}] = {int(arr[k])} is out of range (token ids are below 2**31)")
-    out: list[int] = arr.tolist()
+    out: list[int]
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D sequence or array of integers, got " + (
+                f"{values.ndim}-D" if values.ndim != 1 else f"dtype {values.dtype}"))  # fmt: skip
+        out = values.tolist()
+    else:
+        out = list(values)
+        if set(map(type, out)) != {int}:  # numpy scalars, bools, floats, nested lists
+            bools = [k for k, v in enumerate(out) if isinstance(v, bool | np.bool_)]
+            if bools:
+                k = bools[0]
+                raise ValueError(f"{name}[{k}] = {out[k]!r} is a bool, not a token id")
+            return _token_list(name, np.asarray(out), size)
+    hi = max(out)
+    if hi >= MAX_TOKEN:
+        k = out.index(hi)
+        raise ValueError(f"{name}[{k}] = {hi} is out of range (token ids are below 2**31)")
     return out
 
 

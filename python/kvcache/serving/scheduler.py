@@ -89,6 +89,7 @@ __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "POLICIES", "CapacityScheduler", "S
 POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 _RUNNING = (RequestState.CONTEXT, RequestState.GENERATION)
 _request_id = operator.attrgetter("request_id")
+_state = operator.attrgetter("state")
 _EMPTY: list[Any] = []  # never changed: the empty candidate lists of a full batch
 #: The list form's head of registered requests: (the resource manager's epoch, the requests,
 #: their ids, their prompt lengths less one).
@@ -330,7 +331,7 @@ class CapacityScheduler:
             cache = self._cache_head(head, unseen)
         if cache is not None:
             # The usual order: the registered requests first.
-            states = [r.state for r in head]
+            states = list(map(_state, head))
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
             num_gen = states.count(gen)  # (count compares by identity first: fast on a match)
             if num_gen == unseen or num_gen + states.count(ctx) == unseen:
@@ -532,7 +533,7 @@ class CapacityScheduler:
             same = run == list(rm._running.values())
             cache = (rm._epoch, list(rm._running), list(rm._base_of.values())) if same else None
         if cache is not None:
-            states = [r.state for r in run]
+            states = list(map(_state, run))
             gen, ctx = RequestState.GENERATION, RequestState.CONTEXT
             num_gen = states.count(gen)
             if num_gen == len(run) or num_gen + states.count(ctx) == len(run):
