@@ -36,7 +36,7 @@ import dataclasses
 import importlib.util
 import operator
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -581,11 +581,8 @@ class Engine:
         try:
             with torch.inference_mode():
                 while active:
-                    self._step(active, logits)
-                    for r in [r for r in active if r.state is RequestState.FINISHED]:
-                        self._rm.free_resources(r)
-                        self._counters["requests"] += 1
-                        active.remove(r)
+                    self._step(active, logits)  # frees the requests that finished
+                    active = [r for r in active if r.state is not RequestState.FINISHED]
         finally:
             for r in active:  # an error left these registered: release them
                 if self._rm.has_request(r):
@@ -810,17 +807,21 @@ class Engine:
             config._attn_implementation = previous
             _CURRENT.reset(token)
         step_logits = output.logits[0].float()
-        after: list[Callable[[], None]] = []
         if forks is None:
-            chosen = step_logits.argmax(dim=-1).tolist()
-            for (r, _), tok, row_logits in zip(sample, chosen, step_logits, strict=True):
-                r.append_tokens([int(tok)])
+            # The step's output in one call: one token per batch entry (-1: a chunk that did
+            # not end its prompt), the finished requests freed.
+            chosen = iter(step_logits.argmax(dim=-1).tolist())
+            for (r, _), row_logits in zip(sample, step_logits, strict=True):
                 logits[r.request_id] = row_logits.cpu()
+            picked = [next(chosen) if batch.is_last_chunk(r) else -1 for r, _ in batch.context]
+            picked += [next(chosen) for _ in batch.generation]
+            done = self._rm.complete_step(batch, picked)
+            self._counters["requests"] += len(done)
         else:
             after = forks.choose([r for r, _ in sample], step_logits.cpu())
-        self._rm.update_resources(batch)
-        for action in after:  # forks and frees, once the step's tokens are recorded
-            action()
+            self._rm.update_resources(batch)
+            for action in after:  # forks and frees, once the step's tokens are recorded
+                action()
         # Once per step: expired priorities, and (lend_free_memory) memory moved between steps.
         self._manager.refresh_blocks()
         self._counters["steps"] += 1
