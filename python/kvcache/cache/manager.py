@@ -18,7 +18,7 @@ from typing import Any, SupportsIndex
 from kvcache import _core
 from kvcache.cache.block_keys import key_kwargs
 from kvcache.cache.config import KvCacheConfig, ModelConfig
-from kvcache.cache.fields import check_type, optional_int
+from kvcache.cache.fields import check_type, is_int, optional_int
 from kvcache.cache.sizing import blocks_per_window as _blocks_per_window
 from kvcache.cache.sizing import pool_shares as _pool_shares
 from kvcache.cache.sizing import state_slots as _state_slots
@@ -218,9 +218,9 @@ def _native_kwargs(
     with recurrent layers: one ``[(shape, dtype), ...]`` list per recurrent layer."""
     _check_types(model, config)
     for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int):
+    if not is_int(max_draft_tokens):
         raise ValueError(f"max_draft_tokens must be an int, got {max_draft_tokens!r}")
     expected = _window_sizes(model, config, max_seq_len)
     if sorted(blocks) != expected:
@@ -254,7 +254,7 @@ def _native_kwargs(
         if isinstance(state_slots, tuple) and len(state_slots) == 2:
             state_slots, secondary = state_slots
         for name, v in (("state_slots", state_slots), ("state secondary slots", secondary)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not is_int(v):
                 raise ValueError(
                     f"{name} must be an int or a (primary, secondary) pair of ints, got {v!r}"
                 )

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcache._extras import missing_extra
+from kvcache.cache.fields import is_int
 
 try:
     import msgspec
@@ -583,7 +584,7 @@ class ZmqEventPublisher(EventBatcher):
             ("buffer_steps", buffer_steps, MAX_BUFFER_STEPS),
             ("hwm", hwm, MAX_HWM),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            if not is_int(value) or not 1 <= value <= most:
                 raise ValueError(f"{name} must be an int in [1, {most}], got {value!r}")
         if (
             isinstance(replay_timeout_s, bool)

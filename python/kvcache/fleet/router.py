@@ -42,28 +42,21 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.cache.block_keys import block_hashes, key_kwargs
+from kvcache import _core
+from kvcache.cache.block_keys import key_kwargs
+from kvcache.cache.fields import is_int
 
 __all__ = ["KvIndexer", "ZmqEventSubscriber"]
 
 _log = logging.getLogger(__name__)
 
-# A block size no prompt fills: block_hashes then checks the tokens and hashes nothing.
-_NO_FULL_BLOCK = 2**30
-
 # Batches per engine whose bytes the subscriber remembers to tell a duplicate from a restart.
 _RECENT_BATCHES = 4096
-
-# kvcache.events.MEDIUM_SHARED_STORAGE (vLLM's medium name for shared storage), spelled out:
-# this module imports neither msgspec nor zmq until it needs them.
-MEDIUM_SHARED_STORAGE = "SHARED_STORAGE"
 
 # Field order of the older array form's events (after the tag).
 _ARRAY_FIELDS = {
@@ -88,25 +81,6 @@ _ARRAY_FIELDS = {
 }
 
 
-@dataclass
-class _Group:
-    """One KV cache group (a window) of one engine: its spec and the blocks it holds."""
-
-    block_size: int
-    window: int | None  # tokens; None = full attention (or a recurrent state group)
-    blocks: dict[Hashable, set[str | None]] = field(default_factory=dict)  # hash -> media
-    #: A recurrent state group (kv_cache_spec_kind "mamba"): a "block" is a checkpoint of the
-    #: state after the chain ending at its hash.
-    recurrent: bool = False
-
-
-@dataclass
-class _Engine:
-    groups: dict[int, _Group] = field(default_factory=dict)
-    lora_ids: dict[str, int] = field(default_factory=dict)  # lora_name -> lora_id seen
-    shared_tier: bool | None = None  # reads the shared store; None: the index's default
-
-
 def _event_dict(event: Any) -> dict[str, Any]:
     """One event as a dict with its tag under ``"type"``: from a map, an array or a struct."""
     if isinstance(event, dict):
@@ -121,14 +95,16 @@ def _event_dict(event: Any) -> dict[str, Any]:
     return {"type": config.tag, **{f: getattr(event, f) for f in event.__struct_fields__}}
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_TYPE_CODES = {"BlockStored": 0, "BlockRemoved": 1, "AllBlocksCleared": 2}
+_CLEARED = (2, (), None, None, None, None, None, None, None)
 
 
-def _checked(event: Any, index: int = 0) -> dict[str, Any]:
-    """:func:`_event_dict`, with every field :meth:`KvIndexer.apply` reads checked (types and
-    ranges), so a batch is applied whole or not at all; a bad field is a ``ValueError`` naming
-    the event (its index in the batch) and the field."""
+def _checked(event: Any, index: int = 0) -> tuple[Any, ...]:
+    """One decoded event, every field the index reads checked (types and ranges), as the
+    tuple the native index takes (``RouterIndex.apply_events``), so a batch is applied whole
+    or not at all; a bad field is a ``ValueError`` naming the event (its index in the batch)
+    and the field. Raw msgpack batches are checked the same way natively
+    (``cpp/src/router_index.cpp``)."""
     try:
         e = _event_dict(event)
     except ValueError as err:
@@ -137,50 +113,45 @@ def _checked(event: Any, index: int = 0) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in _ARRAY_FIELDS:
         raise ValueError(f"event {index}: unknown KV event type {kind!r:.80}")
     if kind == "AllBlocksCleared":
-        return e
+        return _CLEARED
 
     def bad(name: str, want: str) -> ValueError:
         return ValueError(f"event {index} ({kind}): {name} must be {want}, got {e.get(name)!r:.80}")
 
     hashes = e.get("block_hashes")
     if not isinstance(hashes, list | tuple) or not all(
-        _is_int(h) or isinstance(h, bytes) for h in hashes
+        is_int(h) or isinstance(h, bytes) for h in hashes
     ):
         raise bad("block_hashes", "a list of ints or bytes")
     group = e.get("group_idx")
-    if group is not None and (not _is_int(group) or group < 0):
+    if group is not None and (not is_int(group) or group < 0):
         raise bad("group_idx", "an int >= 0 or None")
-    if not (e.get("medium") is None or isinstance(e.get("medium"), str)):
+    medium = e.get("medium")
+    if not (medium is None or isinstance(medium, str)):
         raise bad("medium", "a str or None")
-    if kind == "BlockStored":
-        size = e.get("block_size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise bad("block_size", "an int >= 1")
-        spec = e.get("kv_cache_spec_kind")
-        if not (spec is None or isinstance(spec, str)):
-            raise bad("kv_cache_spec_kind", "a str or None")
-        window = e.get("kv_cache_spec_sliding_window")
-        if spec == "sliding_window" and (
-            not isinstance(window, int) or isinstance(window, bool) or window < 1
-        ):
-            raise bad("kv_cache_spec_sliding_window", "an int >= 1 for a sliding window")
-        lora_id = e.get("lora_id")
-        if not (lora_id is None or (_is_int(lora_id) and -(2**63) <= lora_id < 2**64)):
-            raise bad("lora_id", "an int or None")
-        if not (e.get("lora_name") is None or isinstance(e.get("lora_name"), str)):
-            raise bad("lora_name", "a str or None")
-    return e
+    if kind == "BlockRemoved":
+        return (1, hashes, group, medium, None, None, None, None, None)
+    size = e.get("block_size")
+    if not is_int(size) or size < 1:
+        raise bad("block_size", "an int >= 1")
+    spec = e.get("kv_cache_spec_kind")
+    if not (spec is None or isinstance(spec, str)):
+        raise bad("kv_cache_spec_kind", "a str or None")
+    window = e.get("kv_cache_spec_sliding_window")
+    if spec == "sliding_window" and (not is_int(window) or window < 1):
+        raise bad("kv_cache_spec_sliding_window", "an int >= 1 for a sliding window")
+    lora_id = e.get("lora_id")
+    if not (lora_id is None or (is_int(lora_id) and -(2**63) <= lora_id < 2**64)):
+        raise bad("lora_id", "an int or None")
+    lora_name = e.get("lora_name")
+    if not (lora_name is None or isinstance(lora_name, str)):
+        raise bad("lora_name", "a str or None")
+    window = window if spec == "sliding_window" else None
+    return (0, hashes, group, medium, size, spec, window, lora_id, lora_name)
 
 
 def _batch_events(payload: Any) -> list[Any]:
-    """The events of a raw msgpack batch, a decoded ``[ts, events, rank]`` or a batch struct."""
-    if isinstance(payload, bytes | bytearray | memoryview):
-        import msgspec
-
-        try:
-            payload = msgspec.msgpack.decode(payload)
-        except msgspec.DecodeError as e:
-            raise ValueError(f"not a msgpack KVEventBatch: {e}") from e
+    """The events of a decoded ``[ts, events, rank]`` or a batch struct."""
     events = getattr(payload, "events", None)
     if events is None and isinstance(payload, list | tuple) and len(payload) >= 2:
         events = payload[1]
@@ -189,57 +160,21 @@ def _batch_events(payload: Any) -> list[Any]:
     return list(events)
 
 
-def _served_blocks(present: Mapping[int, tuple[_Group, list[bool]]]) -> int:
-    """The largest p such that every group serves a hit of p blocks (the core's rule)."""
-    num = min((len(flags) for _, flags in present.values()), default=0)
-    limit = num
-    sliding: list[tuple[int, list[bool]]] = []
-    states: list[list[bool]] = []  # recurrent groups: a hit at p needs a checkpoint at p
-    for group, flags in present.values():
-        if group.recurrent:
-            states.append(flags)
-        elif group.window is None:
-            limit = min(limit, next((i for i in range(num) if not flags[i]), num))
-        else:
-            sliding.append((math.ceil(group.window / group.block_size), flags))
-    best = 0
-    last_gap = [-1] * len(sliding)
-    for i in range(limit):
-        served = True
-        for k, (window_blocks, flags) in enumerate(sliding):
-            if not flags[i]:
-                last_gap[k] = i
-            if last_gap[k] >= max(0, i + 1 - window_blocks):
-                served = False
-        if served and all(flags[i] for flags in states):
-            best = i + 1
-    return best
-
-
-def _store_served(
-    avail: Mapping[int, tuple[_Group, list[bool]]], base: int, end: int, block_size: int
-) -> int:
-    """The largest h in [base, end] that the store's blocks serve after a local hit of ``base``
-    blocks (the core's ``SharedServed``): full attention needs the store's blocks ``base ..
-    h-1``, a window of ``W`` tokens those from ``max(base, (h * block_size - W) //
-    block_size)`` on. ``avail[g][1][d - base]``: the store has group g's block d."""
-    last_gap = dict.fromkeys(avail, base - 1)
-    best = base
-    for h in range(base + 1, end + 1):
-        served = True
-        for g, (group, flags) in avail.items():
-            if not flags[h - 1 - base]:
-                last_gap[g] = h - 1
-            front = 0 if group.window is None else max(0, h * block_size - group.window)
-            if last_gap[g] >= max(base, front // block_size):
-                served = False
-        if served:
-            best = h
-    return best
+def _tokens(token_ids: Any) -> Any:
+    """``token_ids`` as the native calls read it (a list, tuple or array in place)."""
+    if isinstance(token_ids, list | tuple) or hasattr(token_ids, "__array_interface__"):
+        return token_ids
+    return list(token_ids)
 
 
 class KvIndexer:
     """Which blocks each engine caches, from its KV events; predicts each engine's reuse.
+
+    The index lives in the core (``kvcache._core.RouterIndex``, ``cpp/src/router_index.cpp``):
+    one table for every engine, keyed by (group, block hash), each entry the set of engines
+    holding the block; raw msgpack batches are decoded, checked and applied there in one
+    call, and :meth:`scores` hashes the prompt and looks up every engine in one call, with
+    the GIL released.
 
     Thread-safe: one lock guards every call (a :class:`ZmqEventSubscriber` applies from its
     own thread while the router calls :meth:`match`).
@@ -279,35 +214,39 @@ class KvIndexer:
         """
         if not isinstance(shared_tier, bool):
             raise ValueError(f"shared_tier must be a bool, got {shared_tier!r}")
-        self._engines: dict[Hashable, _Engine] = {}
-        self._shared_default = shared_tier
-        # The fleet's store: the blocks any engine announced in it, per (block size, window),
-        # and the group layout (group_idx -> spec) and LoRA names its events carried.
-        self._shared: dict[tuple[int, int | None], set[Hashable]] = {}
-        self._shared_groups: dict[int, _Group] = {}
-        self._shared_lora_ids: dict[str, int] = {}
+        self._index = _core.RouterIndex(shared_tier)
+        # engine id -> native slot, in the order the index heard of them (the native order).
+        self._slots: dict[Hashable, int] = {}
         self._lock = threading.Lock()
 
     @property
     def engines(self) -> list[Hashable]:
         """The engines the index has heard of, in the order it first did."""
         with self._lock:
-            return list(self._engines)
+            return list(self._slots)
 
     def apply(self, engine_id: Hashable, payload: Any) -> None:
         """Applies one ``KVEventBatch`` of ``engine_id`` (registering the engine).
 
         Args:
             engine_id: Any hashable name of the engine.
-            payload: The raw msgpack bytes off the wire (map or array form), a decoded batch
-                (``[ts, events, rank]`` or a struct with ``events``), or a list of events
-                (maps, tagged arrays or msgspec structs, e.g. ``ZmqEventPublisher.convert``).
+            payload: The raw msgpack bytes off the wire (map or array form; decoded natively,
+                no ``msgspec`` needed), a decoded batch (``[ts, events, rank]`` or a struct
+                with ``events``), or a list of events (maps, tagged arrays or msgspec
+                structs, e.g. ``ZmqEventPublisher.convert``).
 
         Raises:
             ValueError: ``payload`` is not a batch, or holds an unknown event or a field of
                 the wrong type or range (the message names the event's index and the field);
                 nothing of the batch is applied then.
         """
+        if isinstance(payload, bytes | bytearray | memoryview):
+            with self._lock:
+                slot = self._slots.get(engine_id, -1)
+                got = self._index.apply_msgpack(slot, payload)  # checks it all, then applies
+                if slot < 0:
+                    self._slots[engine_id] = got
+            return
         is_batch = (
             isinstance(payload, list | tuple)
             and len(payload) in (2, 3)
@@ -317,60 +256,10 @@ class KvIndexer:
         events = payload if isinstance(payload, list) and not is_batch else _batch_events(payload)
         parsed = [_checked(e, i) for i, e in enumerate(events)]  # all before any is applied
         with self._lock:
-            engine = self._engines.setdefault(engine_id, _Engine())
-            for e in parsed:
-                self._apply_one(engine, e)
-
-    def _apply_one(self, engine: _Engine, e: dict[str, Any]) -> None:
-        kind = e["type"]
-        if kind == "AllBlocksCleared":
-            for group in engine.groups.values():
-                group.blocks.clear()
-            return
-        group_idx = int(e.get("group_idx") or 0)
-        medium = e.get("medium")
-        if medium == MEDIUM_SHARED_STORAGE:
-            self._apply_shared(engine, group_idx, e)
-            return
-        if kind == "BlockStored":
-            spec_kind = e.get("kv_cache_spec_kind")
-            sliding = spec_kind == "sliding_window"
-            window = e.get("kv_cache_spec_sliding_window") if sliding else None
-            stored = engine.groups.setdefault(group_idx, _Group(int(e["block_size"]), window))
-            stored.block_size, stored.window = int(e["block_size"]), window
-            stored.recurrent = spec_kind == "mamba"
-            for h in e["block_hashes"]:
-                stored.blocks.setdefault(h, set()).add(medium)
-            if e.get("lora_name") is not None and e.get("lora_id") is not None:
-                engine.lora_ids[str(e["lora_name"])] = int(e["lora_id"])
-        elif kind == "BlockRemoved":
-            known = engine.groups.get(group_idx)
-            for h in e["block_hashes"]:
-                media = None if known is None else known.blocks.get(h)
-                if media is None:
-                    continue
-                media.discard(medium)
-                if not media or medium is None:
-                    del known.blocks[h]  # type: ignore[union-attr]
-
-    def _apply_shared(self, engine: _Engine, group_idx: int, e: dict[str, Any]) -> None:
-        """A ``SHARED_STORAGE`` event: the fleet's store, not the engine's own cache."""
-        if e["type"] == "BlockStored":
-            if engine.shared_tier is None:
-                engine.shared_tier = True  # it writes to a store, so it reads it too
-            sliding = e.get("kv_cache_spec_kind") == "sliding_window"
-            window = e.get("kv_cache_spec_sliding_window") if sliding else None
-            size = int(e["block_size"])
-            self._shared_groups[group_idx] = _Group(size, window)
-            self._shared.setdefault((size, window), set()).update(e["block_hashes"])
-            if e.get("lora_name") is not None and e.get("lora_id") is not None:
-                self._shared_lora_ids[str(e["lora_name"])] = int(e["lora_id"])
-        else:  # BlockRemoved: a block the store no longer holds (e.g. a store-side watcher's)
-            spec = self._shared_groups.get(group_idx)
-            if spec is not None:
-                self._shared.get((spec.block_size, spec.window), set()).difference_update(
-                    e["block_hashes"]
-                )
+            slot = self._slots.get(engine_id, -1)
+            got = self._index.apply_events(slot, parsed)
+            if slot < 0:
+                self._slots[engine_id] = got
 
     def add_engine(self, engine_id: Hashable, *, shared_tier: bool | None = None) -> None:
         """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does).
@@ -384,24 +273,22 @@ class KvIndexer:
         if shared_tier is not None and not isinstance(shared_tier, bool):
             raise ValueError(f"shared_tier must be a bool or None, got {shared_tier!r}")
         with self._lock:
-            engine = self._engines.setdefault(engine_id, _Engine())
-            if shared_tier is not None:
-                engine.shared_tier = shared_tier
+            slot = self._slots.get(engine_id)
+            if slot is None:
+                slot = self._slots[engine_id] = self._index.add_engine()
+            self._index.set_shared_tier(slot, shared_tier)
 
     def reads_shared_tier(self, engine_id: Hashable) -> bool:
         """Whether :meth:`match` counts the shared store for ``engine_id`` (``KeyError`` if
         unknown)."""
         with self._lock:
-            return self._reads_shared(self._engines[engine_id])
-
-    def _reads_shared(self, engine: _Engine) -> bool:
-        return self._shared_default if engine.shared_tier is None else engine.shared_tier
+            return bool(self._index.reads_shared_tier(self._slots[engine_id]))
 
     def num_shared_blocks(self) -> dict[tuple[int, int | None], int]:
         """Blocks the index believes the shared store holds, per ``(block_size, window)``
         (``None``: full attention)."""
         with self._lock:
-            return {k: len(v) for k, v in self._shared.items() if v}
+            return {(size, window): n for size, window, n in self._index.num_shared_blocks()}
 
     def remove_shared_blocks(self, hashes: Iterable[Hashable], *, window: int | None) -> int:
         """Forgets blocks the shared store no longer holds (what the store's own deletions
@@ -416,29 +303,27 @@ class KvIndexer:
             How many of them the index held.
         """
         gone = set(hashes)
-        removed = 0
+        if window is not None and not (is_int(window) and 0 <= window < 2**64):
+            return 0  # no set of the store has such a window
         with self._lock:
-            for (_, w), stored in self._shared.items():
-                if w == window:
-                    removed += len(stored & gone)
-                    stored -= gone
-        return removed
+            return int(self._index.remove_shared_blocks(gone, window))
 
     def clear_shared_tier(self) -> None:
         """Forgets every block of the shared store (after a flush, a restart or
         ``clear_shared_cache``: events cannot see those)."""
         with self._lock:
-            self._shared.clear()
+            self._index.clear_shared_tier()
 
     def remove_engine(self, engine_id: Hashable) -> None:
         """Forgets an engine (``KeyError`` if unknown)."""
         with self._lock:
-            del self._engines[engine_id]
+            slot = self._slots.pop(engine_id)
+            self._index.remove_engine(slot)
 
     def num_blocks(self, engine_id: Hashable) -> dict[int, int]:
         """Blocks the index holds per group of ``engine_id`` (``KeyError`` if unknown)."""
         with self._lock:
-            return {g: len(group.blocks) for g, group in self._engines[engine_id].groups.items()}
+            return dict(self._index.num_blocks(self._slots[engine_id]))
 
     def match(
         self,
@@ -465,73 +350,36 @@ class KvIndexer:
             KeyError: An unknown engine.
             ValueError: Both ``lora_name`` and ``lora_id``; a bad token or key.
         """
-        got = self.scores(
-            token_ids,
-            lora_name=lora_name,
-            lora_id=lora_id,
-            cache_salt=cache_salt,
-            multimodal=multimodal,
-            engines=[engine_id],
-        )
-        return got[engine_id]
+        got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, [engine_id])
+        return int(got[0])
 
-    def _match(
+    def _scores(
         self,
-        engine: _Engine,
-        tokens: list[int],
+        token_ids: Sequence[int],
         lora_name: str | None,
-        key: dict[str, Any],
-        cache: dict[tuple[int, int | None], list[int]],
-    ) -> int:
-        shared = self._reads_shared(engine)
-        groups = engine.groups
-        if shared and self._shared_groups.keys() - groups.keys():
-            # One store, one layout: a group the engine announced nothing in holds nothing.
-            groups = {g: _Group(x.block_size, x.window) for g, x in self._shared_groups.items()}
-            groups.update(engine.groups)
-        if len(tokens) <= 1 or not groups:
-            # Nothing to look up, but the prompt is still checked as a lookup would check it.
-            block_hashes(tokens, _NO_FULL_BLOCK)
-            return 0
-        lora = key["lora_task_id"]
-        if lora_name is not None:
-            lora = engine.lora_ids.get(lora_name)
-            if lora is None and shared:
-                lora = self._shared_lora_ids.get(lora_name)
-            if lora is None:
-                return 0
-        sizes = {group.block_size for group in groups.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"the engine's groups have different block sizes {sorted(sizes)}")
-        (block_size,) = sizes
-        hashes = cache.get((block_size, lora))
-        if hashes is None:
-            hashes = cache[(block_size, lora)] = block_hashes(
-                tokens[:-1],
-                block_size,
-                lora_task_id=lora,
-                cache_salt=key["cache_salt"],
-                multimodal=key["multimodal"],
+        lora_id: int | None,
+        cache_salt: str | bytes | int | None,
+        multimodal: Sequence[tuple[bytes | int, int, int]] | None,
+        names: list[Hashable] | None,
+    ) -> list[int]:
+        """The native lookup: every engine of ``names`` (``None``: all, in order)."""
+        key = key_kwargs(lora_id, cache_salt, multimodal)
+        if lora_name is not None and lora_id is not None:
+            raise ValueError("pass lora_name or lora_id, not both")
+        tokens = _tokens(token_ids)
+        # A name that is not a str was never published: it matches nothing.
+        unnamed = lora_name is not None and not isinstance(lora_name, str)
+        with self._lock:
+            slots = None if names is None else [self._slots[e] for e in names]
+            got: list[int] = self._index.scores(
+                tokens,
+                None if unnamed else lora_name,
+                key["lora_task_id"],
+                key["cache_salt"],
+                key["multimodal"],
+                slots,
             )
-        # Full attention needs every block: stop every group's lookups at its first miss.
-        limit = len(hashes)
-        for group in groups.values():
-            if group.window is None and not group.recurrent:
-                blocks, i = group.blocks, 0
-                while i < limit and hashes[i] in blocks:
-                    i += 1
-                limit = i
-        head = hashes[:limit]
-        present = {g: (group, [h in group.blocks for h in head]) for g, group in groups.items()}
-        base = _served_blocks(present)
-        if not shared or base >= len(hashes):
-            return base * block_size
-        # Past the local hit, the blocks the store holds (the engine's lookup, then onboard).
-        avail: dict[int, tuple[_Group, list[bool]]] = {}
-        for g, group in groups.items():
-            stored = self._shared.get((block_size, group.window), set())
-            avail[g] = (group, [h in stored for h in hashes[base:]])
-        return _store_served(avail, base, len(hashes), block_size) * block_size
+        return [0] * len(got) if unnamed else got
 
     def scores(
         self,
@@ -544,22 +392,21 @@ class KvIndexer:
         engines: Iterable[Hashable] | None = None,
     ) -> dict[Hashable, int]:
         """Every engine's :meth:`match` for one prompt at once (hashed once per block size and
-        LoRA id), in the order the index heard of them; ``engines`` restricts it.
+        LoRA id, in one native call that stops at full attention's first miss), in the order
+        the index heard of them; ``engines`` restricts it.
 
         Raises:
             KeyError: An unknown engine in ``engines``.
             ValueError: The arguments of :meth:`match`.
         """
-        tokens = list(token_ids)
-        key = key_kwargs(lora_id, cache_salt, multimodal)
-        if lora_name is not None and lora_id is not None:
-            raise ValueError("pass lora_name or lora_id, not both")
-        cache: dict[tuple[int, int | None], list[int]] = {}
-        with self._lock:
-            names = list(self._engines) if engines is None else list(engines)
-            if not names:
-                block_hashes(tokens, _NO_FULL_BLOCK)  # the prompt is still checked
-            return {e: self._match(self._engines[e], tokens, lora_name, key, cache) for e in names}
+        if engines is None:
+            with self._lock:
+                names = list(self._slots)
+            got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, names)
+        else:
+            names = list(dict.fromkeys(engines))
+            got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, names)
+        return dict(zip(names, got, strict=True))
 
     def best_engine(
         self,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.cache.config import KvCacheConfig, ModelConfig
+from kvcache.cache.fields import is_int
 
 __all__ = ["LAYER_KINDS", "ModelPreset", "list_models", "load_model"]
 
@@ -226,7 +227,7 @@ def _parse(text: str, *, origin: str) -> ModelPreset:
         # KvCacheConfig validates and normalises the window pattern.
         pattern = KvCacheConfig(max_attention_window=d.get("max_attention_window"))
         max_context = d["max_context"]
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
+        if not is_int(max_context) or max_context <= 0:
             raise ValueError(f"max_context must be a positive int, got {max_context!r}")
         window = pattern.max_attention_window
         return ModelPreset(

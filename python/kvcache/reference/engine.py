@@ -52,6 +52,7 @@ except ImportError as e:
 
 from kvcache._core import OutOfBlocksError
 from kvcache.cache.config import KvCacheConfig, ModelConfig
+from kvcache.cache.fields import is_int
 from kvcache.cache.manager import KVCacheManager, KvCacheStats
 from kvcache.cache.sizing import parse_size
 from kvcache.reference.forks import ForkBooks, Forks
@@ -618,7 +619,7 @@ class Engine:
         temperature: float,
     ) -> None:  # fmt: skip
         for name, value in (("num_beams", num_beams), ("n", n)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if num_beams > 1 and n > 1:
             raise ValueError(f"num_beams ({num_beams}) and n ({n}) cannot both exceed 1")
@@ -659,7 +660,7 @@ class Engine:
         n: int = 1,
     ) -> list[Request]:
         """The requests of one ``generate`` call, every input checked before any runs."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        if not is_int(max_new_tokens):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

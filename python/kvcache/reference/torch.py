@@ -43,6 +43,7 @@ try:
 except ImportError as e:
     raise missing_extra("kvcache.torch", "torch", e) from None
 
+from kvcache.cache.fields import is_int
 from kvcache.cache.manager import KVCacheManager
 
 __all__ = [
@@ -89,7 +90,7 @@ def layer_view(manager: KVCacheManager, layer: int) -> torch.Tensor:
     """
     _check_memory(manager)
     num_layers = len(manager.layer_to_pool)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+    if not is_int(layer) or not 0 <= layer < num_layers:
         raise ValueError(f"layer must be in 0..{num_layers - 1}, got {layer!r}")
     return from_dlpack(manager._layer_buffer(layer))
 
@@ -129,7 +130,7 @@ def pool_view(manager: KVCacheManager, pool: int) -> torch.Tensor:
     """
     _check_memory(manager)
     pools = manager.pools
-    if isinstance(pool, bool) or not isinstance(pool, int) or not 0 <= pool < len(pools):
+    if not is_int(pool) or not 0 <= pool < len(pools):
         raise ValueError(f"pool must be in 0..{len(pools) - 1}, got {pool!r}")
     info = pools[pool]
     first = layer_view(manager, int(info["layers"][0]))

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvcache import _core as _block_math
 from kvcache._core import PreparedPrompt
-from kvcache.cache.fields import check_type
+from kvcache.cache.fields import check_type, is_int
 from kvcache.cache.manager import KVCacheManager
 from kvcache.serving.families import unforked_beams
 from kvcache.serving.request import Request, RequestState, ScheduledBatch
@@ -419,9 +419,7 @@ class ResourceEstimates:
 
     @staticmethod
     def _check_chunk_size(chunk_size: int | None) -> None:
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
+        if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
             raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
     def _in_prefill(self, request: Request) -> bool:

@@ -13,7 +13,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcache.cache.fields import MAX_TOKEN
+from kvcache.cache.fields import MAX_TOKEN, is_int
 
 __all__ = ["Request", "RequestState", "ScheduledBatch"]
 
@@ -118,7 +118,7 @@ class Request:
     family_id: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.request_id, bool) or not isinstance(self.request_id, int):
+        if not is_int(self.request_id):
             raise ValueError(f"request_id must be an int, got {self.request_id!r}")
         if not 0 <= self.request_id < _MAX_ID:
             raise ValueError(f"request_id = {self.request_id} is out of range [0, {_MAX_ID - 1}]")
@@ -136,7 +136,7 @@ class Request:
             )
         for name in ("num_beams", "n"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(
                     f"request {self.request_id}: {name} must be an int >= 1, got {value!r}"
                 )

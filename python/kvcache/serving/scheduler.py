@@ -75,6 +75,7 @@ from typing import Any
 
 from kvcache import _core
 from kvcache.cache.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvcache.cache.fields import is_int
 from kvcache.serving.families import family_arrays, unforked_beams, waiting_families
 from kvcache.serving.resource_manager import (
     KVCacheResourceManager,
@@ -136,7 +137,7 @@ class SchedulerOutput:
 
 
 def _positive(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 

@@ -35,6 +35,7 @@ from typing import Any, TextIO, cast
 import numpy as np
 
 from kvcache._extras import install_hint
+from kvcache.cache.fields import is_int
 from kvcache.cache.sizing import format_size
 from kvcache.serving.resource_manager import Request
 from kvcache.simulate.loop import (
@@ -193,7 +194,7 @@ def simulate_fleet(
         ImportError: The ``kv`` router without ``kvcache[events]``.
         RuntimeError: An engine cannot schedule anything (pools too small).
     """
-    if isinstance(engines, bool) or not isinstance(engines, int):
+    if not is_int(engines):
         raise ValueError(f"engines must be an int in 1..{MAX_ENGINES}, got {engines!r}")
     if not 1 <= engines <= MAX_ENGINES:
         raise ValueError(f"engines must be in 1..{MAX_ENGINES}, got {engines}")
