@@ -614,3 +614,22 @@ def test_auto_uses_the_config_expected_seq_len() -> None:
     )
     with pytest.raises(ValueError, match="expected_seq_len"):
         KvCacheConfig(expected_seq_len=0)
+
+
+def test_byte_counts_refuse_size_strings_pointing_to_parse_size() -> None:
+    """Every count and byte size is checked by kvcache.cache.fields: numpy ints pass, bools
+    and strings do not, and a size string names the call that converts it."""
+    import numpy as np
+
+    config = KvCacheConfig(max_attention_window=[1024, None], tokens_per_block=32)
+    with pytest.raises(ValueError) as info:
+        blocks_per_window(GEMMA3_27B, config, 32768, "4GiB")  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "primary_bytes must be a non-negative int, got '4GiB'; for a size string pass "
+        "kvcache.parse_size('4GiB')"
+    )
+    with pytest.raises(ValueError, match=r"^secondary_bytes must be a non-negative int, got True$"):
+        blocks_per_window(GEMMA3_27B, config, 32768, 2**30, True)
+    assert blocks_per_window(GEMMA3_27B, config, 32768, np.int64(2**30)) == blocks_per_window(
+        GEMMA3_27B, config, 32768, parse_size("1GiB")
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
@@ -49,6 +50,36 @@ def optional_int(name: str, value: int | None) -> int | None:
     if value is not None and not is_int(value):
         raise ValueError(f"{name} must be an int or None, got {value!r}")
     return value
+
+
+def _size_hint(value: object) -> str:
+    """A size string where bytes are expected: the call that converts it."""
+    return (
+        f"; for a size string pass kvcache.parse_size({value!r})" if isinstance(value, str) else ""
+    )
+
+
+def positive_count(name: str, value: object) -> int:
+    """A count or byte size > 0 of any integer type (numpy ints too), not a bool; a size
+    string is refused with the call that converts it."""
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = 0
+    if isinstance(value, bool) or n <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}{_size_hint(value)}")
+    return n
+
+
+def non_negative_count(name: str, value: object) -> int:
+    """A count or byte size >= 0 of any integer type (numpy ints too), not a bool."""
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}{_size_hint(value)}")
+    return n
 
 
 def positive_int(name: str, value: object) -> int:

@@ -7,7 +7,6 @@ turns the fractions into block and slot counts and re-exports the public names.
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -21,6 +20,7 @@ from kvcache.cache.config import (
     ModelConfig,
 )
 from kvcache.cache.fields import check_share_values as _check_share_values
+from kvcache.cache.fields import non_negative_count, positive_count
 from kvcache.cache.fields import parse_share_text as _parse_share_text
 from kvcache.cache.units import format_size
 
@@ -44,26 +44,6 @@ TRTLLM_SHARES_ENV_VAR = "TRTLLM_WINDOW_SIZE_SHARES"
 _CONFIG_SOURCE = "KvCacheConfig.window_size_shares"
 
 SharePolicy = str | tuple[float, ...]
-
-
-def check_positive(name: str, value: object) -> int:
-    try:
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be a positive int, got {value!r}") from None
-    if isinstance(value, bool) or n <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return n
-
-
-def check_non_negative(name: str, value: object) -> int:
-    try:
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}") from None
-    if isinstance(value, bool) or n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return n
 
 
 # --------------------------------------------------------------------------------------
@@ -96,7 +76,7 @@ def window_sizes(model: ModelConfig, config: KvCacheConfig, max_seq_len: int) ->
         >>> window_sizes(m, KvCacheConfig(), 2048)
         [2048]
     """
-    check_positive("max_seq_len", max_seq_len)
+    positive_count("max_seq_len", max_seq_len)
     return sorted(set(config.attention_window_per_layer(model.num_layers, max_seq_len)))
 
 
@@ -207,8 +187,8 @@ def _share_fractions(
     if not windows:
         raise ValueError("bytes_per_token is empty: the model has no windows")
     for w in windows:
-        check_positive(f"window {w!r}", w)
-        check_positive(f"bytes_per_token[{w}]", bpt[w])
+        positive_count(f"window {w!r}", w)
+        positive_count(f"bytes_per_token[{w}]", bpt[w])
     weights: list[Fraction]
     if isinstance(policy, tuple):
         if len(policy) != len(windows):
@@ -228,11 +208,11 @@ def _share_fractions(
             raise ValueError(
                 f'the "auto" share policy ({source}) needs max_seq_len or expected_seq_len'
             )
-        check_positive(
+        positive_count(
             "expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len
         )
-        tpb = check_positive("tokens_per_block", tokens_per_block)
-        draft = check_non_negative("max_draft_tokens", max_draft_tokens)
+        tpb = positive_count("tokens_per_block", tokens_per_block)
+        draft = non_negative_count("max_draft_tokens", max_draft_tokens)
         if max_batch_size is None:
             weights = _auto_weights_alone(
                 bpt, seq_len, tpb, draft, max_num_batched_tokens, primary_bytes
@@ -266,7 +246,7 @@ def _auto_seq_len(source: str, max_seq_len: int | None, expected_seq_len: int | 
         raise ValueError(
             f'the "auto" share policy ({source}) needs max_seq_len or expected_seq_len'
         )
-    return check_positive(
+    return positive_count(
         "expected_seq_len" if expected_seq_len is not None else "max_seq_len", seq_len
     )
 
@@ -336,17 +316,17 @@ def pool_fractions(
         weights = [Fraction(w * bpt[w]) for w in windows] + [Fraction(2 * slot_bytes)]
     elif policy == "auto":
         seq_len = _auto_seq_len(source, max_seq_len, expected_seq_len)
-        tpb = check_positive("tokens_per_block", tokens_per_block)
-        draft = check_non_negative("max_draft_tokens", max_draft_tokens)
+        tpb = positive_count("tokens_per_block", tokens_per_block)
+        draft = non_negative_count("max_draft_tokens", max_draft_tokens)
         if max_batch_size is None:
             for w in windows:
-                check_positive(f"window {w!r}", w)
-                check_positive(f"bytes_per_token[{w}]", bpt[w])
+                positive_count(f"window {w!r}", w)
+                positive_count(f"bytes_per_token[{w}]", bpt[w])
             weights = _auto_weights_alone(
                 bpt, seq_len, tpb, draft, max_num_batched_tokens, primary_bytes, 2 * slot_bytes
             )
         else:
-            reserve = 2 * check_positive("max_batch_size", max_batch_size) * slot_bytes
+            reserve = 2 * positive_count("max_batch_size", max_batch_size) * slot_bytes
             if primary_bytes is not None and reserve < primary_bytes:
                 return scaled(primary_bytes - reserve, Fraction(reserve, primary_bytes))
             # No budget, or not even the state's: every pool runs out at the same concurrency.
@@ -365,8 +345,8 @@ def pool_fractions(
     if total <= 0:  # pragma: no cover - excluded by the value checks
         raise ValueError(f"{source}: shares are all zero; their sum must be positive")
     for w in windows:
-        check_positive(f"window {w!r}", w)
-        check_positive(f"bytes_per_token[{w}]", bpt[w])
+        positive_count(f"window {w!r}", w)
+        positive_count(f"bytes_per_token[{w}]", bpt[w])
     return {w: x / total for w, x in zip(windows, weights, strict=False)}, weights[n] / total
 
 
@@ -407,11 +387,11 @@ def peak_blocks_per_sequence(
         >>> peak_blocks_per_sequence(131072, 128, 32)
         4096
     """
-    n = check_positive("seq_len", seq_len)
-    w = check_positive("window", window)
-    tpb = check_positive("tokens_per_block", tokens_per_block)
-    draft = check_non_negative("max_draft_tokens", max_draft_tokens)
-    chunk = None if chunk_size is None else check_positive("chunk_size", chunk_size)
+    n = positive_count("seq_len", seq_len)
+    w = positive_count("window", window)
+    tpb = positive_count("tokens_per_block", tokens_per_block)
+    draft = non_negative_count("max_draft_tokens", max_draft_tokens)
+    chunk = None if chunk_size is None else positive_count("chunk_size", chunk_size)
     keep = _block_math.window_keep(w, draft, n + 1) if w < n else _block_math.KEEP_ALL
     return int(_block_math.blocks_to_run_alone(n, n, chunk, w, keep, tpb))
 
@@ -502,14 +482,14 @@ def auto_demand_tokens(
         >>> auto_demand_tokens([512, 4496], 2818, tokens_per_block=32, max_batch_size=128)
         {512: 81664, 4496: 364544}
     """
-    seq = check_positive("expected_seq_len", seq_len)
-    tpb = check_positive("tokens_per_block", tokens_per_block)
-    n = check_positive("max_batch_size", max_batch_size)
-    step = check_positive("max_num_batched_tokens", max_num_batched_tokens)
-    draft = check_non_negative("max_draft_tokens", max_draft_tokens)
+    seq = positive_count("expected_seq_len", seq_len)
+    tpb = positive_count("tokens_per_block", tokens_per_block)
+    n = positive_count("max_batch_size", max_batch_size)
+    step = positive_count("max_num_batched_tokens", max_num_batched_tokens)
+    draft = non_negative_count("max_draft_tokens", max_draft_tokens)
     out = {}
     for w in windows:
-        keep = check_positive("window", w) + draft
+        keep = positive_count("window", w) + draft
         out[w] = tpb * int(_block_math.demand_blocks(n, seq, keep, step, tpb))
     return out
 
@@ -637,7 +617,7 @@ def window_size_shares(
         source = "policy argument"
         resolved = _normalise_policy(policy, source)
     if primary_bytes is not None:
-        check_positive("primary_bytes", primary_bytes)
+        positive_count("primary_bytes", primary_bytes)
     fractions = _share_fractions(
         bytes_per_token,
         resolved,
@@ -721,7 +701,7 @@ def pool_shares(
         64
     """
     if primary_bytes is not None:
-        check_positive("primary_bytes", primary_bytes)
+        positive_count("primary_bytes", primary_bytes)
     windows, state = model_pool_fractions(
         model,
         config,
@@ -791,9 +771,9 @@ def max_blocks_per_sequence(
         >>> max_blocks_per_sequence(512, 258, 64), max_blocks_per_sequence(512, 256, 64, 2)
         (6, 6)
     """
-    n = check_positive("seq_len", seq_len)
-    keep = check_positive("window", window) + check_non_negative(
+    n = positive_count("seq_len", seq_len)
+    keep = positive_count("window", window) + non_negative_count(
         "max_draft_tokens", max_draft_tokens
     )
-    tpb = check_positive("tokens_per_block", tokens_per_block)
+    tpb = positive_count("tokens_per_block", tokens_per_block)
     return int(_block_math.peak_live_blocks(1, n, keep, tpb))

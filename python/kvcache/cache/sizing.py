@@ -7,8 +7,7 @@ rounding surprises); the shares returned to callers are floats that sum to 1.0.
 Example: a Gemma-3-27B-shaped model (62 layers, 16 KV heads of 128, bfloat16; five
 1024-token sliding-window layers for every full-attention layer) at 32,768 tokens::
 
-    >>> from kvcache import _core as _block_math
-from kvcache.cache.config import KvCacheConfig, ModelConfig
+    >>> from kvcache import KvCacheConfig, ModelConfig
     >>> model = ModelConfig(num_layers=62, num_kv_heads=16, head_dim=128, dtype="bfloat16")
     >>> config = KvCacheConfig(max_attention_window=[1024] * 5 + [None])
     >>> window_sizes(model, config, 32768)
@@ -24,13 +23,12 @@ import math
 from typing import Any
 
 from kvcache.cache.config import KvCacheConfig, ModelConfig
+from kvcache.cache.fields import non_negative_count, positive_count
 from kvcache.cache.shares import (
     SHARES_ENV_VAR,
     TRTLLM_SHARES_ENV_VAR,
     auto_demand_tokens,
     bytes_per_token,
-    check_non_negative,
-    check_positive,
     max_blocks_per_sequence,
     model_pool_fractions,
     peak_blocks_per_sequence,
@@ -136,8 +134,8 @@ def state_slots(
         agreed = min_reduce_blocks({0: (local, 0)}, process_group)
         assert agreed is not None
         return agreed[0][0]
-    primary = check_positive("primary_bytes", primary_bytes)
-    batch = check_positive("max_batch_size", max_batch_size)
+    primary = positive_count("primary_bytes", primary_bytes)
+    batch = positive_count("max_batch_size", max_batch_size)
     slot = model.state_bytes_per_sequence()
     if slot == 0:
         return 0
@@ -266,8 +264,8 @@ def blocks_per_window(
         agreed = min_reduce_blocks(local, process_group)
         assert agreed is not None
         return agreed
-    primary = check_non_negative("primary_bytes", primary_bytes)
-    secondary = check_non_negative("secondary_bytes", secondary_bytes)
+    primary = non_negative_count("primary_bytes", primary_bytes)
+    secondary = non_negative_count("secondary_bytes", secondary_bytes)
     tpb = config.tokens_per_block
     bpt = bytes_per_token(model, config, max_seq_len)
     policy, source = resolve_share_policy(config.window_size_shares)
