@@ -478,7 +478,7 @@ def test_workload_options_with_a_trace(trace: Path) -> None:
     assert_usage_error(proc, "--seed seeds the built-in workload", "would change nothing")
     ok = kvcache_run("simulate", "--trace", str(trace), "--seed", "3", "--draft-tokens", "2")
     assert ok.returncode == 0, ok.stderr  # with drafts the seed matters
-    assert f"  workload: trace {trace}, 1 requests" in ok.stdout
+    assert f"  workload: trace {trace}, 1 request" in ok.stdout
 
 
 def test_auto_shares_are_explained() -> None:

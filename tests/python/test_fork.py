@@ -276,7 +276,7 @@ def test_beam_footprint_counts_the_shared_prompt_once() -> None:
     assert f.separate == {8: 9.0, 16: 12.0}
     assert f.copied_on_write == 4.0
     text = format_beam_footprint(f)
-    assert "beam search, 3 beams (1 requests alone, 4-token blocks)" in text
+    assert "beam search, 3 beams (1 request alone, 4-token blocks)" in text
     assert "     total        15.0        21.0     29%" in text
     with pytest.raises(ValueError, match=r"num_beams must be in 1\.\.64"):
         beam_footprint([request], preset, num_beams=0, tokens_per_block=4)

@@ -253,7 +253,7 @@ def test_short_max_seq_len_says_why_the_workload_is_empty_and_what_works() -> No
     assert "give --max-seq-len 867 or more" in line
     ok = kvcache_run("simulate", *QUIET, "--max-seq-len", "867")
     assert ok.returncode == 0, ok.stderr
-    assert "  workload: built-in multi-turn chat, 2 conversations (seed 0): 1 requests" in ok.stdout
+    assert "  workload: built-in multi-turn chat, 2 conversations (seed 0): 1 request" in ok.stdout
 
 
 @pytest.mark.parametrize("router", ["kv", "round-robin", "least-loaded"])
@@ -469,3 +469,17 @@ def test_fleet_engine_table_gives_mean_latency_in_steps() -> None:
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("engine"))
     assert header.split("  ")[-1].strip() == "mean latency (steps)"
+
+
+def test_one_request_is_singular() -> None:
+    proc = kvcache_run("simulate", *QUIET, "--max-seq-len", "1100", "--num-conversations", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "  workload: built-in multi-turn chat, 1 conversation (seed 0): 1 request, one per turn"
+        in proc.stdout.splitlines()
+    )
+    assert proc.stderr.splitlines()[0] == (
+        "kvcache simulate: warning: --max-seq-len 1,100 ends conversations early: the built-in "
+        "workload has 1 request instead of 3 at the default 8,192 (a conversation ends at its "
+        "first turn over the limit)"
+    )

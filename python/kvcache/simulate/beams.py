@@ -137,7 +137,8 @@ def beam_footprint(
 def format_beam_footprint(f: BeamFootprint) -> str:
     """The footprint as a few lines of text (one per window, then the total)."""
     lines = [
-        f"beam search, {f.num_beams} beams ({f.requests:,} requests alone, "
+        f"beam search, {f.num_beams} beams ({f.requests:,} request{'' if f.requests == 1 else 's'} "
+        "alone, "
         f"{f.tokens_per_block}-token blocks): peak blocks per request",
         f"  {'window':>8}  {'forks':>10}  {'separate':>10}  {'saved':>6}",
     ]

@@ -59,6 +59,11 @@ from kvcache.simulate.workload import (
 __all__ = ["check_output_path", "run_cli"]
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 request"``, ``"2,000 requests"``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def check_output_path(path: str, what: str) -> None:
     """Checks that ``path`` can be written, without leaving a file behind.
 
@@ -201,14 +206,14 @@ def _workload_stream(
             if tf.arrival != "asap":
                 info["step_ms"] = tf.step_ms or DEFAULT_STEP_MS
             text = (
-                f"Mooncake trace {args.trace}, {n:,} requests"
+                f"Mooncake trace {args.trace}, {_count(n, 'request')}"
                 + (f" (the first {tf.first:,} of the file)" if tf.first is not None else "")
                 + f", {summary.prompt_tokens / n:,.0f} prompt tokens on average; arrivals: "
                 + arrivals
             )
         else:
             text = (
-                f"trace {args.trace}, {n:,} requests"
+                f"trace {args.trace}, {_count(n, 'request')}"
                 + (f" (the first {tf.first:,} of the file)" if tf.first is not None else "")
                 + (", all arriving at step 0" if tf.arrival == "asap" else "")
             )
@@ -220,8 +225,8 @@ def _workload_stream(
     if not trace:
         raise ValueError(_empty_workload(seed, conversations, max_seq_len))
     text = (
-        f"built-in multi-turn chat, {conversations:,} conversations (seed {seed}): "
-        f"{len(trace):,} requests, one per turn"
+        f"built-in multi-turn chat, {_count(conversations, 'conversation')} (seed {seed}): "
+        f"{_count(len(trace), 'request')}, one per turn"
     )
     info = {
         "source": "built-in",
@@ -270,7 +275,7 @@ def _length_warnings(args: argparse.Namespace, model: ModelPreset, requests: int
         if requests < len(full):
             out.append(
                 f"--max-seq-len {limit:,} ends conversations early: the built-in workload has "
-                f"{requests:,} requests instead of {len(full):,} at the default "
+                f"{_count(requests, 'request')} instead of {len(full):,} at the default "
                 f"{DEFAULT_MAX_SEQ_LEN:,} (a conversation ends at its first turn over the limit)"
             )
     config = model.kv_cache_config()
