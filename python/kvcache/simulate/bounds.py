@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,6 +188,15 @@ def ideal_hits(kt: KeyTrace) -> _I64:
     return _prefix_runs(kt, first_owner[kt.keys] < owner)
 
 
+def _cached_run(keys: list[int], start: int, lookups: int, cache: Container[int]) -> int:
+    """How many of a request's first ``lookups`` keys (from ``start``) are cached, in a row:
+    its hit blocks under any cache (the scan LRU and Belady share)."""
+    h = 0
+    while h < lookups and keys[start + h] in cache:
+        h += 1
+    return h
+
+
 def lru_hits(kt: KeyTrace, capacity: int) -> _I64:
     """Hit blocks per request with a plain LRU cache of ``capacity`` blocks (see the module
     docstring for the order blocks are touched in)."""
@@ -201,10 +210,7 @@ def lru_hits(kt: KeyTrace, capacity: int) -> _I64:
     touch = cache.move_to_end
     for i in range(kt.requests):
         a, b, n = starts[i], starts[i + 1], lookups[i]
-        h = 0
-        while h < n and keys[a + h] in cache:
-            h += 1
-        hits[i] = h
+        hits[i] = _cached_run(keys, a, n, cache)
         for p in range(b - 1, a - 1, -1):
             k = keys[p]
             if k in cache:
@@ -250,10 +256,7 @@ def belady_hits(kt: KeyTrace, capacity: int) -> _I64:
     heap: list[tuple[int, int]] = []  # (-next lookup, key); stale entries skipped
     for i in range(kt.requests):
         a, b, n = starts[i], starts[i + 1], lookups[i]
-        h = 0
-        while h < n and keys[a + h] in cache:
-            h += 1
-        hits[i] = h
+        hits[i] = _cached_run(keys, a, n, cache)
         for p in range(a, b):
             k, nu = keys[p], nxt[p]
             if k in cache:
