@@ -32,7 +32,6 @@ from kvcache.cache.shares import (
     max_blocks_per_sequence,
     model_pool_fractions,
     peak_blocks_per_sequence,
-    pool_fractions,
     pool_shares,
     resolve_share_policy,
     window_size_shares,
@@ -268,22 +267,14 @@ def blocks_per_window(
     secondary = non_negative_count("secondary_bytes", secondary_bytes)
     tpb = config.tokens_per_block
     bpt = bytes_per_token(model, config, max_seq_len)
-    policy, source = resolve_share_policy(config.window_size_shares)
-    shares, _ = pool_fractions(
-        bpt,
-        model.state_bytes_per_sequence(),
-        policy,
-        source,
-        max_seq_len=max_seq_len,
-        expected_seq_len=expected_seq_len
-        if expected_seq_len is not None
-        else config.expected_seq_len,
-        tokens_per_block=tpb,
-        max_batch_size=max_batch_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        primary_bytes=primary if primary > 0 else None,
-        max_draft_tokens=max_draft_tokens,
-        fixed_slots=config.state_slots if model.recurrent_layers > 0 else None,
+    shares, _ = model_pool_fractions(
+        model,
+        config,
+        max_seq_len,
+        primary,
+        expected_seq_len,
+        max_batch_size,
+        max_draft_tokens,
     )
     # The secondary (host) budget splits like the primary one: the state pool's share of it
     # holds offloaded checkpoints (KVCacheManager's state_secondary_slots).
