@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_shared_tier import (
+from redis_helpers import (
     FULL,
     PROMPT,
     SWA,
