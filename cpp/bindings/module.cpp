@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "args.h"
+#include "bind_router.h"
 #include "bindings.h"
 #include "kvcache/block_key.h"
 #include "kvcache/memory_backend.h"
@@ -47,4 +48,5 @@ PYBIND11_MODULE(_core, m) {
   kvcache::py::BindManager(m);
   kvcache::py::BindEstimates(m);
   kvcache::py::BindState(m);
+  kvcache::py::BindRouter(m);
 }

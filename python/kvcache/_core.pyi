@@ -23,6 +23,7 @@ __all__: list[str] = [
     "OFFSET_SENTINEL",
     "OutOfBlocksError",
     "PreparedPrompt",
+    "RouterIndex",
     "SHARED_CACHE_PASSWORD_ENV",
     "StateBuffer",
     "blocks_to_run_alone",
@@ -578,6 +579,67 @@ class StateBuffer:
         """
         Strides in bytes.
         """
+
+class RouterIndex:
+    """
+    A router's index of every engine's cached blocks, fed by KV events (see kvcache.router.KvIndexer).
+    """
+    def __init__(self, shared_tier: bool = False) -> None: ...
+    def add_engine(self) -> int:
+        """
+        Registers an engine; returns its slot.
+        """
+    def apply_events(self, slot: typing.SupportsInt | typing.SupportsIndex, events: list) -> int:
+        """
+        Applies checked events (type, hashes, group_idx, medium, block_size, kv_cache_spec_kind, window, lora_id, lora_name); slot -1 registers a new engine. Returns the engine's slot.
+        """
+    def apply_msgpack(
+        self, slot: typing.SupportsInt | typing.SupportsIndex, payload: typing.Any
+    ) -> int:
+        """
+        Applies one raw msgpack KVEventBatch whole (ValueError, nothing applied, if any of it is bad); slot -1 registers a new engine. Returns the engine's slot.
+        """
+    def clear_shared_tier(self) -> None: ...
+    def engines(self) -> list[int]:
+        """
+        Live slots in registration order.
+        """
+    def num_blocks(self, slot: typing.SupportsInt | typing.SupportsIndex) -> list[tuple[int, int]]:
+        """
+        [(group_idx, blocks)] in the order the groups appeared.
+        """
+    def num_shared_blocks(self) -> list[tuple[int, int | None, int]]:
+        """
+        [(block_size, window, blocks)] of the store's non-empty sets.
+        """
+    def reads_shared_tier(self, slot: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def remove_engine(self, slot: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def remove_shared_blocks(
+        self,
+        hashes: collections.abc.Iterable,
+        window: typing.SupportsInt | typing.SupportsIndex | None,
+    ) -> int: ...
+    def scores(
+        self,
+        tokens: typing.Any,
+        lora_name: str | None = None,
+        lora_id: typing.SupportsIndex | None = None,
+        cache_salt: typing.SupportsIndex | None = None,
+        multimodal: collections.abc.Sequence[
+            tuple[typing.SupportsIndex, typing.SupportsIndex, typing.SupportsIndex]
+        ] = [],
+        slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None = None,
+    ) -> list[int]:
+        """
+        Every listed engine's reusable prefix of `tokens` (all engines, in registration order, without slots).
+        """
+    def set_shared_tier(
+        self, slot: typing.SupportsInt | typing.SupportsIndex, shared_tier: bool | None
+    ) -> None: ...
+    @property
+    def num_entries(self) -> int: ...
+    @property
+    def num_interned(self) -> int: ...
 
 def _block_hashes(
     tokens: typing.Any,

@@ -525,3 +525,39 @@ def test_a_rejected_batch_clears_its_engine_and_the_stream_goes_on() -> None:
     finally:
         sub.close()
         pub.close(linger=0)
+
+
+def test_hundreds_of_engines_in_one_native_lookup_and_hashes_of_every_kind() -> None:
+    prompt = list(range(41))  # keyed on 40 tokens: 10 blocks
+    h = kvcache.block_hashes(prompt[:40], TPB)
+    index = KvIndexer()
+    want: dict[Any, int] = {}
+    for e in range(300):
+        held = e % 11
+        payload = msgspec.msgpack.encode([1.0, [_stored(0, [*h[:held], h[9]])], 0])
+        index.apply(("engine", e), payload if e % 2 else msgspec.msgpack.decode(payload))
+        want[("engine", e)] = 4 * (10 if held >= 9 else held)
+    assert index.scores(prompt) == want
+    assert index.best_engine(prompt) == (("engine", 9), 40)
+    for e in range(0, 300, 3):
+        index.remove_engine(("engine", e))
+    assert index.scores(prompt) == {k: v for k, v in want.items() if k[1] % 3}
+    assert index.scores(prompt, engines=[("engine", 4), ("engine", 4)]) == {("engine", 4): 16}
+    # Hashes an engine may send besides the core's: bytes, negative and big ints are keys of
+    # their own (counted, removed), never equal to a prompt's block.
+    odd: list[Any] = [b"\x01", b"\x01", -5, 2**70, 5, h[0]]
+    index.apply("odd", [dict(_stored(0, odd), medium="CPU")])
+    assert index.num_blocks("odd") == {0: 5}
+    assert index.match("odd", prompt) == 4
+    index.apply(
+        "odd", [{"type": "BlockRemoved", "block_hashes": [b"\x01", 2**70, -5], "medium": None}]
+    )
+    assert index.num_blocks("odd") == {0: 2}
+    raw = msgspec.msgpack.encode([1.0, [dict(_stored(0, [b"\x02", -7]), medium="CPU")], 0])
+    index.apply("odd", raw)
+    assert index.num_blocks("odd") == {0: 4}
+    index.apply(
+        "odd",
+        [{"type": "BlockRemoved", "block_hashes": [b"\x02", -7], "medium": "CPU", "group_idx": 0}],
+    )
+    assert index.num_blocks("odd") == {0: 2}
