@@ -16,6 +16,26 @@ namespace {
 constexpr int kMaxDepth = 64;
 constexpr std::size_t kReprMax = 80;  // Python's {value!r:.80}
 
+/// Bytes of a value that begins with byte c and has a fixed size (0: sized by what follows).
+struct FixedSizes {
+  std::uint8_t size[256] = {};
+  constexpr FixedSizes() {
+    for (int c = 0; c <= 0x7f; ++c) size[c] = 1;
+    for (int c = 0xe0; c <= 0xff; ++c) size[c] = 1;
+    size[0xc0] = size[0xc2] = size[0xc3] = 1;
+    size[0xcc] = size[0xd0] = 2;
+    size[0xcd] = size[0xd1] = 3;
+    size[0xca] = size[0xce] = size[0xd2] = 5;
+    size[0xcb] = size[0xcf] = size[0xd3] = 9;
+    size[0xd4] = 3;
+    size[0xd5] = 4;
+    size[0xd6] = 6;
+    size[0xd7] = 10;
+    size[0xd8] = 18;
+  }
+};
+constexpr FixedSizes kFixed;
+
 [[noreturn]] void NotMsgpack(const std::string& why) {
   throw std::invalid_argument("not a msgpack KVEventBatch: " + why);
 }
@@ -137,15 +157,123 @@ class Cursor {
   }
 
   /// Skips one value whole; checks every string is UTF-8 and nesting stays within kMaxDepth.
-  void Skip(int depth = 0) {
-    if (depth > kMaxDepth) NotMsgpack("nested deeper than " + std::to_string(kMaxDepth) + " levels");
-    const Value v = Next();
-    if (v.type == Value::kStr && !Utf8(v.p, v.n)) NotMsgpack("invalid UTF-8 in a str");
-    const std::uint64_t items = v.type == Value::kArray ? v.n : v.type == Value::kMap ? 2ULL * v.n : 0;
-    for (std::uint64_t k = 0; k < items; ++k) Skip(depth + 1);
+  /// Iterative, one table-free byte switch per value: token_ids arrays are most of a batch.
+  void Skip() {
+    std::uint64_t left[kMaxDepth + 1];
+    int depth = 0;
+    left[0] = 1;
+    for (;;) {
+      while (left[depth] == 0) {
+        if (depth == 0) return;
+        --depth;
+      }
+      --left[depth];
+      if (p_ == end_) NotMsgpack("input data was truncated");
+      const auto fixed = kFixed.size[static_cast<unsigned char>(*p_)];
+      if (fixed != 0) {  // a scalar: the arrays of ints (token_ids, block_hashes) go here
+        Advance(fixed);
+        continue;
+      }
+      const unsigned c = Byte();
+      std::uint64_t items = 0;
+      if (c <= 0x8f) {
+        items = 2ULL * (c & 0x0fU);
+      } else if (c <= 0x9f) {
+        items = c & 0x0fU;
+      } else if (c <= 0xbf) {
+        SkipStr(c & 0x1fU);
+        continue;
+      } else {
+        switch (c) {
+          case 0xc0:
+          case 0xc2:
+          case 0xc3:
+            continue;
+          case 0xc4:
+            Advance(Be(1));
+            continue;
+          case 0xc5:
+            Advance(Be(2));
+            continue;
+          case 0xc6:
+            Advance(Be(4));
+            continue;
+          case 0xc7:
+            Advance(Be(1) + 1);
+            continue;
+          case 0xc8:
+            Advance(Be(2) + 1);
+            continue;
+          case 0xc9:
+            Advance(Be(4) + 1);
+            continue;
+          case 0xcc:
+          case 0xd0:
+            Advance(1);
+            continue;
+          case 0xcd:
+          case 0xd1:
+            Advance(2);
+            continue;
+          case 0xca:
+          case 0xce:
+          case 0xd2:
+            Advance(4);
+            continue;
+          case 0xcb:
+          case 0xcf:
+          case 0xd3:
+            Advance(8);
+            continue;
+          case 0xd4:
+          case 0xd5:
+          case 0xd6:
+          case 0xd7:
+          case 0xd8:
+            Advance(1 + (std::uint64_t{1} << (c - 0xd4)));
+            continue;
+          case 0xd9:
+            SkipStr(Be(1));
+            continue;
+          case 0xda:
+            SkipStr(Be(2));
+            continue;
+          case 0xdb:
+            SkipStr(Be(4));
+            continue;
+          case 0xdc:
+            items = Be(2);
+            break;
+          case 0xdd:
+            items = Be(4);
+            break;
+          case 0xde:
+            items = 2 * Be(2);
+            break;
+          case 0xdf:
+            items = 2 * Be(4);
+            break;
+          default:
+            NotMsgpack("invalid byte 0x" + Hex(c));
+        }
+      }
+      if (items == 0) continue;
+      if (items > static_cast<std::uint64_t>(end_ - p_)) NotMsgpack("input data was truncated");
+      if (depth + 1 > kMaxDepth) NotMsgpack("nested deeper than " + std::to_string(kMaxDepth) + " levels");
+      left[++depth] = items;
+    }
   }
 
  private:
+  void Advance(std::uint64_t n) {
+    if (n > static_cast<std::uint64_t>(end_ - p_)) NotMsgpack("input data was truncated");
+    p_ += n;
+  }
+  void SkipStr(std::uint64_t n) {
+    if (n > static_cast<std::uint64_t>(end_ - p_)) NotMsgpack("input data was truncated");
+    if (!Utf8(p_, static_cast<std::uint32_t>(n))) NotMsgpack("invalid UTF-8 in a str");
+    p_ += n;
+  }
   unsigned Byte() {
     if (p_ == end_) NotMsgpack("input data was truncated");
     return static_cast<unsigned char>(*p_++);
@@ -514,13 +642,15 @@ void ReadEvent(Cursor& c, const char* end, std::size_t index, RouterEvent* out) 
 }
 
 std::vector<RouterEvent> DecodeBatch(const char* data, std::size_t size) {
+  // One pass: each event is read (its other fields skipped, every byte checked) as it comes.
+  // A wrong field is reported only once the rest of the payload proved to be msgpack, as a
+  // decoder that reads it whole first would: bad msgpack anywhere is "not a msgpack batch".
   const char* end = data + size;
-  {
-    Cursor whole(data, end);
-    whole.Skip();
-    if (!whole.done()) NotMsgpack("trailing characters after the batch");
-  }
   Cursor c(data, end);
+  auto check_rest = [&](Cursor rest, std::uint64_t values) {
+    for (std::uint64_t k = 0; k < values; ++k) rest.Skip();
+    if (!rest.done()) NotMsgpack("trailing characters after the batch");
+  };
   const Value top = c.Next();
   bool ok = top.type == Value::kArray && top.n >= 2;
   if (ok) {
@@ -529,11 +659,21 @@ std::vector<RouterEvent> DecodeBatch(const char* data, std::size_t size) {
     ok = peek.Next().type == Value::kArray;
   }
   if (!ok) {
+    check_rest(Cursor(data, end), 1);
     throw std::invalid_argument("not a KVEventBatch [ts, events, rank]: " + ReprAt(data, end));
   }
   const Value events = c.Next();
   std::vector<RouterEvent> out(events.n);
-  for (std::uint32_t k = 0; k < events.n; ++k) ReadEvent(c, end, k, &out[k]);
+  for (std::uint32_t k = 0; k < events.n; ++k) {
+    const Cursor start = c;
+    try {
+      ReadEvent(c, end, k, &out[k]);
+    } catch (const std::invalid_argument&) {
+      check_rest(start, static_cast<std::uint64_t>(events.n - k) + (top.n - 2));
+      throw;
+    }
+  }
+  check_rest(c, top.n - 2);
   return out;
 }
 
@@ -947,7 +1087,7 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
   struct Member {
     std::size_t pos;  // in names
     std::int32_t slot;
-    std::vector<View> groups;
+    std::size_t first, count;  // its groups: views[first, first + count)
     bool reader;
   };
   struct Class {
@@ -957,21 +1097,24 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
     std::vector<std::uint64_t> hashes;
     std::vector<Member> members;
   };
+  std::vector<View> views;  // every engine's groups, one after the other (no allocation each)
+  views.reserve(names.size() * 2);
   std::vector<Class> classes;
   for (std::size_t pos = 0; pos < names.size(); ++pos) {
     const std::int32_t slot = names[pos];
     const Engine& engine = engines_[slot];
     const bool reader = ReadsShared(engine);
-    Member m{pos, slot, {}, reader};
-    for (const Group& g : engine.groups) m.groups.push_back({g.idx, g.block_size, g.window, g.recurrent});
+    const std::size_t first = views.size();
+    for (const Group& g : engine.groups) views.push_back({g.idx, g.block_size, g.window, g.recurrent});
     if (reader) {  // one store, one layout: a group the engine announced nothing in holds nothing
       for (const auto& [idx, spec] : shared_groups_) {
         const bool known = std::any_of(engine.groups.begin(), engine.groups.end(),
                                        [&](const Group& g) { return g.idx == idx; });
-        if (!known) m.groups.push_back({idx, spec.block_size, spec.window, false});
+        if (!known) views.push_back({idx, spec.block_size, spec.window, false});
       }
     }
-    if (m.groups.empty()) continue;
+    const Member m{pos, slot, first, views.size() - first, reader};
+    if (m.count == 0) continue;
     bool has_lora = key.lora_id.has_value();
     std::int64_t lora = key.lora_id.value_or(0);
     if (key.lora_name.has_value()) {
@@ -986,16 +1129,17 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
       has_lora = true;
       lora = found->value;
     }
-    std::vector<std::uint64_t> sizes;
-    for (const View& v : m.groups) sizes.push_back(v.block_size);
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    if (sizes.size() != 1) {
+    const std::uint64_t block_size = views[first].block_size;
+    for (std::size_t k = first; k < views.size(); ++k) {
+      if (views[k].block_size == block_size) continue;
+      std::vector<std::uint64_t> sizes;
+      for (std::size_t j = first; j < views.size(); ++j) sizes.push_back(views[j].block_size);
+      std::sort(sizes.begin(), sizes.end());
+      sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
       std::string list;
       for (const std::uint64_t s : sizes) list += (list.empty() ? "" : ", ") + std::to_string(s);
       throw std::invalid_argument("the engine's groups have different block sizes [" + list + "]");
     }
-    const std::uint64_t block_size = sizes[0];
     auto cls = std::find_if(classes.begin(), classes.end(), [&](const Class& c) {
       return c.block_size == block_size && c.has_lora == has_lora && (!has_lora || c.lora == lora);
     });
@@ -1015,8 +1159,15 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
       classes.push_back(std::move(c));
       cls = classes.end() - 1;
     }
-    cls->members.push_back(std::move(m));
+    cls->members.push_back(m);
   }
+  struct Groups {  // one member's views
+    const View* b;
+    const View* e;
+    const View* begin() const { return b; }
+    const View* end() const { return e; }
+  };
+  auto groups_of = [&views](const Member& m) { return Groups{views.data() + m.first, views.data() + m.first + m.count}; };
 
   for (Class& cls : classes) {
     const std::vector<std::uint64_t>& hashes = cls.hashes;
@@ -1028,7 +1179,7 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
     std::int32_t max_slot = 0;
     for (const Member& m : cls.members) {
       max_slot = std::max(max_slot, m.slot);
-      for (const View& v : m.groups) {
+      for (const View& v : groups_of(m)) {
         if (std::find(gidx.begin(), gidx.end(), v.idx) == gidx.end()) gidx.push_back(v.idx);
       }
     }
@@ -1050,7 +1201,7 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
       const auto s = static_cast<std::uint32_t>(m.slot);
       alive[s / 64] |= std::uint64_t{1} << (s % 64);
       Complex cx{&m, {}, {}, {}, 0};
-      for (const View& v : m.groups) {
+      for (const View& v : groups_of(m)) {
         const std::size_t k = static_cast<std::size_t>(std::find(gidx.begin(), gidx.end(), v.idx) - gidx.begin());
         if (v.recurrent) {
           cx.states.push_back(k);
@@ -1144,7 +1295,7 @@ std::vector<std::int64_t> RouterIndex::Scores(const TokenId* tokens, std::size_t
           std::int64_t last_gap;
         };
         std::vector<StoreGroup> store;
-        for (const View& v : m.groups) store.push_back({FindSharedSet(cls.block_size, v.window), v.window, base - 1});
+        for (const View& v : groups_of(m)) store.push_back({FindSharedSet(cls.block_size, v.window), v.window, base - 1});
         for (std::int64_t h = base + 1; h <= static_cast<std::int64_t>(n); ++h) {
           bool served = true;
           bool stop = false;

@@ -160,11 +160,7 @@ def _batch_events(payload: Any) -> list[Any]:
     return list(events)
 
 
-def _tokens(token_ids: Any) -> Any:
-    """``token_ids`` as the native calls read it (a list, tuple or array in place)."""
-    if isinstance(token_ids, list | tuple) or hasattr(token_ids, "__array_interface__"):
-        return token_ids
-    return list(token_ids)
+_NO_ITEMS: list[tuple[int, int, int]] = []
 
 
 class KvIndexer:
@@ -217,13 +213,13 @@ class KvIndexer:
         self._index = _core.RouterIndex(shared_tier)
         # engine id -> native slot, in the order the index heard of them (the native order).
         self._slots: dict[Hashable, int] = {}
+        self._names: list[Hashable] = []  # list(self._slots), replaced (never changed) on change
         self._lock = threading.Lock()
 
     @property
     def engines(self) -> list[Hashable]:
         """The engines the index has heard of, in the order it first did."""
-        with self._lock:
-            return list(self._slots)
+        return list(self._names)
 
     def apply(self, engine_id: Hashable, payload: Any) -> None:
         """Applies one ``KVEventBatch`` of ``engine_id`` (registering the engine).
@@ -246,6 +242,7 @@ class KvIndexer:
                 got = self._index.apply_msgpack(slot, payload)  # checks it all, then applies
                 if slot < 0:
                     self._slots[engine_id] = got
+                    self._names = list(self._slots)
             return
         is_batch = (
             isinstance(payload, list | tuple)
@@ -260,6 +257,7 @@ class KvIndexer:
             got = self._index.apply_events(slot, parsed)
             if slot < 0:
                 self._slots[engine_id] = got
+                self._names = list(self._slots)
 
     def add_engine(self, engine_id: Hashable, *, shared_tier: bool | None = None) -> None:
         """Registers an engine with no blocks yet (idempotent; :meth:`apply` also does).
@@ -276,6 +274,7 @@ class KvIndexer:
             slot = self._slots.get(engine_id)
             if slot is None:
                 slot = self._slots[engine_id] = self._index.add_engine()
+                self._names = list(self._slots)
             self._index.set_shared_tier(slot, shared_tier)
 
     def reads_shared_tier(self, engine_id: Hashable) -> bool:
@@ -318,6 +317,7 @@ class KvIndexer:
         """Forgets an engine (``KeyError`` if unknown)."""
         with self._lock:
             slot = self._slots.pop(engine_id)
+            self._names = list(self._slots)
             self._index.remove_engine(slot)
 
     def num_blocks(self, engine_id: Hashable) -> dict[int, int]:
@@ -350,10 +350,10 @@ class KvIndexer:
             KeyError: An unknown engine.
             ValueError: Both ``lora_name`` and ``lora_id``; a bad token or key.
         """
-        got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, [engine_id])
-        return int(got[0])
+        _, got = self._lookup(token_ids, lora_name, lora_id, cache_salt, multimodal, [engine_id])
+        return got[0]
 
-    def _scores(
+    def _lookup(
         self,
         token_ids: Sequence[int],
         lora_name: str | None,
@@ -361,25 +361,32 @@ class KvIndexer:
         cache_salt: str | bytes | int | None,
         multimodal: Sequence[tuple[bytes | int, int, int]] | None,
         names: list[Hashable] | None,
-    ) -> list[int]:
-        """The native lookup: every engine of ``names`` (``None``: all, in order)."""
-        key = key_kwargs(lora_id, cache_salt, multimodal)
+    ) -> tuple[list[Hashable], list[int]]:
+        """The native lookup of every engine of ``names`` (``None``: all, in order): the
+        engines and their answers."""
+        if lora_id is None and cache_salt is None and multimodal is None:
+            lora, salt, items = None, None, _NO_ITEMS  # the common case, without key_kwargs
+        else:
+            key = key_kwargs(lora_id, cache_salt, multimodal)
+            lora, salt, items = key["lora_task_id"], key["cache_salt"], key["multimodal"]
         if lora_name is not None and lora_id is not None:
             raise ValueError("pass lora_name or lora_id, not both")
-        tokens = _tokens(token_ids)
+        if not isinstance(token_ids, list | tuple) and not hasattr(
+            token_ids, "__array_interface__"
+        ):
+            token_ids = list(token_ids)  # the native call reads lists, tuples and arrays
         # A name that is not a str was never published: it matches nothing.
         unnamed = lora_name is not None and not isinstance(lora_name, str)
         with self._lock:
-            slots = None if names is None else [self._slots[e] for e in names]
+            if names is None:
+                names = self._names
+                slots = None
+            else:
+                slots = [self._slots[e] for e in names]
             got: list[int] = self._index.scores(
-                tokens,
-                None if unnamed else lora_name,
-                key["lora_task_id"],
-                key["cache_salt"],
-                key["multimodal"],
-                slots,
+                token_ids, None if unnamed else lora_name, lora, salt, items, slots
             )
-        return [0] * len(got) if unnamed else got
+        return names, [0] * len(got) if unnamed else got
 
     def scores(
         self,
@@ -399,13 +406,8 @@ class KvIndexer:
             KeyError: An unknown engine in ``engines``.
             ValueError: The arguments of :meth:`match`.
         """
-        if engines is None:
-            with self._lock:
-                names = list(self._slots)
-            got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, names)
-        else:
-            names = list(dict.fromkeys(engines))
-            got = self._scores(token_ids, lora_name, lora_id, cache_salt, multimodal, names)
+        wanted = None if engines is None else list(dict.fromkeys(engines))
+        names, got = self._lookup(token_ids, lora_name, lora_id, cache_salt, multimodal, wanted)
         return dict(zip(names, got, strict=True))
 
     def best_engine(
@@ -429,29 +431,19 @@ class KvIndexer:
         Raises:
             ValueError: No engine to choose from; the arguments of :meth:`match`.
         """
-        if load is None:
-            load_of: Callable[[Hashable], float] = lambda _e: 0.0  # noqa: E731
-        elif callable(load):
-            load_of = load
+        wanted = None if engines is None else list(dict.fromkeys(engines))
+        names, got = self._lookup(token_ids, lora_name, lora_id, cache_salt, multimodal, wanted)
+        if not names:
+            raise ValueError("best_engine: no engine to choose from")
+        if load is None:  # the first engine with the longest hit (no dict: one list walk)
+            best = max(range(len(got)), key=got.__getitem__)
+            return names[best], got[best]
+        if callable(load):
+            load_of: Callable[[Hashable], float] = load
         else:
             load_of = lambda e: float(load.get(e, 0.0))  # noqa: E731
-        scored = [
-            (hit, e)
-            for e, hit in self.scores(
-                token_ids,
-                lora_name=lora_name,
-                lora_id=lora_id,
-                cache_salt=cache_salt,
-                multimodal=multimodal,
-                engines=engines,
-            ).items()
-        ]
-        names = [e for _, e in scored]
-        if not scored:
-            raise ValueError("best_engine: no engine to choose from")
-        order = {e: i for i, e in enumerate(names)}
-        tokens_hit, engine = max(scored, key=lambda s: (s[0], -load_of(s[1]), -order[s[1]]))
-        return engine, tokens_hit
+        best = max(range(len(got)), key=lambda i: (got[i], -load_of(names[i]), -i))
+        return names[best], got[best]
 
 
 class ZmqEventSubscriber:
