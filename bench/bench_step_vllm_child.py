@@ -32,6 +32,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 import numpy as np
+from vllm_fake_runner import fake_model_output
 
 VOCAB = 32000
 TPB = 32
@@ -166,19 +167,9 @@ def main() -> None:
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
-        ids = list(out.num_scheduled_tokens)
         for nr in out.scheduled_new_reqs:
             first_hit.setdefault(nr.req_id, nr.num_computed_tokens)
-        sampled = []
-        for rid in ids:
-            r = requests[rid]
-            done = r.num_computed_tokens + out.num_scheduled_tokens[rid] >= r.num_tokens
-            sampled.append([(int(rid) * 7919 + r.num_tokens * 104_729) % VOCAB] if done else [])
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: k for k, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-        )
+        ids, mro = fake_model_output(out, requests, ModelRunnerOutput, VOCAB)
         t2 = clock()
         eco = sched.update_from_output(out, mro)
         t3 = clock()
