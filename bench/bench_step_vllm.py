@@ -53,16 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from kvcache import KvCacheConfig, ModelConfig
-from kvcache.resource_manager import KVCacheResourceManager, Request
-from kvcache.scheduler import CapacityScheduler
+from kvcache.resource_manager import Request
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_reuse import MAX_BATCH, SWA, TOTAL_BLOCKS, TPB, VOCAB, make_workload  # noqa: E402
+from bench_reuse import VOCAB, make_workload  # noqa: E402
+from bench_step import build  # noqa: E402
 from bench_step_vllm_child import expected_tokens, fingerprint  # noqa: E402
 
-MAX_NUM_BATCHED_TOKENS = 8192
 _INTS = np.array(list(range(VOCAB)), dtype=object)
 
 
@@ -89,28 +87,8 @@ def run_kvcache(
         for i in range(len(max_new))
     ]
     max_seq_len = max(r.prompt_len + r.max_new_tokens for r in reqs)
-    model = ModelConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-    config = KvCacheConfig(
-        tokens_per_block=TPB,
-        max_attention_window=[SWA, None],
-        backend="virtual",
-        enable_block_reuse=True,
-        lend_free_memory=True,
-    )
-    half = TOTAL_BLOCKS // 2
-    rm = KVCacheResourceManager.from_blocks(
-        model,
-        config,
-        {SWA: half, max_seq_len: TOTAL_BLOCKS - half},
-        max_seq_len=max_seq_len,
-        max_batch_size=MAX_BATCH,
-    )
-    sched = CapacityScheduler(
-        rm,
-        "guaranteed_no_evict",
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        chunked_prefill=True,
-    )
+    # bench_step's engine: 20,000 blocks split equally, lending free memory.
+    rm, sched = build("guaranteed_no_evict", max_seq_len, True)
     manager = rm.manager
     for r in reqs:
         sched.add_request(r)
