@@ -42,6 +42,7 @@ struct RouterHash {
 /// One KV event, fields as the index reads them (already validated: see RouterIndex).
 struct RouterEvent {
   enum Type : std::uint8_t { kStored = 0, kRemoved = 1, kCleared = 2 };
+
   Type type = kCleared;
   std::vector<RouterHash> hashes;
   std::uint64_t group_idx = 0;        ///< None on the wire is 0.
@@ -54,6 +55,11 @@ struct RouterEvent {
   bool lora_id_unsigned = false;  ///< lora_id >= 2**63 (held as its uint64 bits).
   std::int64_t lora_id = 0;
 };
+
+/// Decodes one raw msgpack KVEventBatch (vLLM's wire format) into events, validated whole:
+/// std::invalid_argument naming the event and field, or the payload that is no msgpack batch
+/// (router_events_msgpack.cpp).
+std::vector<RouterEvent> DecodeRouterEventBatch(const char* data, std::size_t size);
 
 /// The key of a lookup (what the prompt's block hashes are chained with).
 struct RouterLookupKey {
