@@ -33,7 +33,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 import numpy as np
-from vllm_fake_runner import fake_model_output
+from vllm_fake_runner import fake_model_output, scheduler_with_requests
 
 VOCAB = 32000
 MAX_BATCH = 128
@@ -170,38 +170,13 @@ def main() -> None:
     prompts = [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(len(max_new))]
     max_model_len = max(len(p) + int(m) for p, m in zip(prompts, max_new, strict=True))
 
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     with tempfile.TemporaryDirectory() as tmp:
         vc, kv, sched_bs, hash_bs, info = build(
             max_model_len, args.memory, args.mode, args.backend, Path(tmp)
         )
-        sched = Scheduler(
-            vllm_config=vc,
-            kv_cache_config=kv,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=sched_bs,
-            hash_block_size=hash_bs,
-            log_stats=True,
-        )
-    hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(hash_bs, hash_fn)
-
-    requests = {}
-    for i, p in enumerate(prompts):
-        sp = SamplingParams(
-            max_tokens=int(max_new[i]), ignore_eos=True, temperature=0.0, detokenize=False
-        )
-        r = Request(str(i), p, sp, None, block_hasher=hasher)
-        requests[r.request_id] = r
-        sched.add_request(r)
+        sched, requests = scheduler_with_requests(vc, kv, sched_bs, hash_bs, prompts, max_new)
 
     steps = preempted = 0
     schedule_ns: list[int] = []

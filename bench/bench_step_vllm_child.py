@@ -32,7 +32,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 import numpy as np
-from vllm_fake_runner import fake_model_output
+from vllm_fake_runner import fake_model_output, scheduler_with_requests
 
 VOCAB = 32000
 TPB = 32
@@ -88,11 +88,7 @@ def main() -> None:
     max_model_len = max(len(p) + int(m) for p, m in zip(prompts, max_new, strict=True))
 
     import torch
-    from vllm import SamplingParams
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -100,8 +96,6 @@ def main() -> None:
         SlidingWindowSpec,
     )
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     with tempfile.TemporaryDirectory() as tmp:
         mc = ModelConfig(
@@ -133,26 +127,7 @@ def main() -> None:
                 KVCacheGroupSpec(["model.layers.1.self_attn"], FullAttentionSpec(TPB, **common)),
             ],
         )
-        sched = Scheduler(
-            vllm_config=vc,
-            kv_cache_config=kv,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=TPB,
-            hash_block_size=TPB,
-            log_stats=True,
-        )
-    hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(TPB, hash_fn)
-
-    requests = {}
-    for i, p in enumerate(prompts):
-        sp = SamplingParams(
-            max_tokens=int(max_new[i]), ignore_eos=True, temperature=0.0, detokenize=False
-        )
-        r = Request(str(i), p, sp, None, block_hasher=hasher)
-        requests[r.request_id] = r
-        sched.add_request(r)
+        sched, requests = scheduler_with_requests(vc, kv, TPB, TPB, prompts, max_new)
 
     steps = 0
     schedule_ns: list[int] = []
